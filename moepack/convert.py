@@ -1,0 +1,432 @@
+"""`moepack convert`: an MLX (or unquantized HF) MoE checkpoint -> a packed model.
+
+Streams a slice of experts at a time (memory bounded by the slice, not the model), overlaps reads and
+writes with compute, writes each layer file under a temporary name and renames it when complete, keeps
+a resume state file, and writes the manifest last: a folder without moepack.json is not a packed model.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from . import __version__
+from .archs import architecture_for_config
+from .archs.base import PARTS, PROJS
+from .errors import DiskSpaceError, MoepackError, OutputError, QuantizationError
+from .layout.atomic import fsync_dir, write_json_atomic
+from .layout.checksum import hash_bytes, hash_file
+from .layout.constants import (DENSE_INDEX_NAME, DENSE_NAME, DENSE_SHARD_BYTES, DENSE_SHARD_NAME, EXPERTS_DIR,
+                               FORMAT_VERSION, MANIFEST_NAME, STATE_NAME, layer_file_name)
+from .layout.manifest import FileEntry, LayerEntry, Manifest, save_manifest
+from .layout.record import RecordLayout, record_layout
+from .progress import progress_bar
+from .source.checkpoint import open_checkpoint
+from .source.dense import plan_dense_hf, plan_dense_mlx, summarize_quantization
+from .source.experts import (FileReader, LayerExperts, find_expert_layers, plan_hf_layer, plan_mlx_layer,
+                             read_float_slice, read_quant_slice)
+from .source.safetensors_file import write_safetensors
+
+SUPPORTED_BITS = (2, 3, 4, 8)
+CHUNK_BYTES = 64 * 1024 * 1024
+
+
+@dataclass(frozen=True)
+class LayerPlan:
+    experts: LayerExperts
+    target_bits: dict  # proj -> bits
+    group_size: int
+    layout: RecordLayout
+    method: str  # repack | requant-minmax | quantize
+    file: str
+
+
+def parse_layer_bits(spec: str | None) -> dict[int, int]:
+    """'0-2=4,59=4' -> {0: 4, 1: 4, 2: 4, 59: 4}."""
+    out: dict[int, int] = {}
+    if not spec:
+        return out
+    for item in spec.split(","):
+        item = item.strip()
+        if not item:
+            continue
+        try:
+            layers, bits = item.split("=")
+            lo, _, hi = layers.partition("-")
+            for layer in range(int(lo), int(hi or lo) + 1):
+                out[layer] = int(bits)
+        except ValueError:
+            raise QuantizationError(f"cannot parse --layer-bits item {item!r}",
+                                    hint="use LAYERS=BITS items, e.g. --layer-bits 0-2=4,59=4") from None
+    return out
+
+
+def _check_bits(b):
+    if b is not None and b not in SUPPORTED_BITS:
+        raise QuantizationError(f"--bits {b} is not supported; use one of {', '.join(map(str, SUPPORTED_BITS))}")
+
+
+def plan_conversion(ckpt, bits: int | None, layer_bits: dict[int, int], group_size: int):
+    arch = architecture_for_config(ckpt.config)
+    shape = arch.moe_shape(ckpt.config)
+    kind, layers = find_expert_layers(ckpt, arch)
+    _check_bits(bits)
+    for b in layer_bits.values():
+        _check_bits(b)
+    unknown = sorted(set(layer_bits) - set(layers))
+    if unknown:
+        raise QuantizationError(f"--layer-bits names layers {unknown} that have no routed experts",
+                                hint=f"MoE layers are {layers[0]}..{layers[-1]}")
+    if layers[-1] >= shape.num_layers:
+        raise MoepackError(f"expert tensors for layer {layers[-1]} but config.json has {shape.num_layers} layers")
+    plans = []
+    for layer in layers:
+        target = layer_bits.get(layer, bits)
+        if kind == "mlx":
+            le = plan_mlx_layer(ckpt, arch, shape, layer, None)
+            gs = le.group_size
+            tb = {p: (target or le.projs[p].bits) for p in PROJS}
+            method = "repack" if all(tb[p] == le.projs[p].bits for p in PROJS) else "requant-minmax"
+        else:
+            le = plan_hf_layer(ckpt, arch, shape, layer)
+            gs = group_size
+            tb = {p: target or 4 for p in PROJS}
+            method = "quantize"
+        layout = record_layout(shape, tb, gs)
+        plans.append(LayerPlan(le, tb, gs, layout, method, layer_file_name(layer, shape.num_layers)))
+    return arch, shape, kind, plans
+
+
+def _source_identity(ckpt) -> dict:
+    if getattr(ckpt, "repo_id", None):
+        return {"type": "hub", "repo_id": ckpt.repo_id, "revision": ckpt.revision}
+    return {"type": "local", "path": str(Path(ckpt.path).resolve())}
+
+
+def _fingerprint(ckpt, source, plans, kind) -> dict:
+    files = [[s, os.path.getsize(Path(ckpt.path) / s)] for s in ckpt.shards]
+    return {"format_version": FORMAT_VERSION, "source": source, "source_files": files, "kind": kind,
+            "layers": {str(p.experts.layer): [p.layout.key, p.method] for p in plans}}
+
+
+# -- output folder ------------------------------------------------------------------------------------
+
+def _prepare_output(out: Path, fingerprint: dict, force: bool) -> dict:
+    """The resume state ({} for a fresh start). Refuses folders that hold something else."""
+    if out.exists() and not out.is_dir():
+        raise OutputError(f"{out} exists and is not a folder")
+    if out.is_dir() and any(out.iterdir()):
+        ours = (out / MANIFEST_NAME).exists() or (out / STATE_NAME).exists() or (out / EXPERTS_DIR).exists()
+        state = None
+        if (out / STATE_NAME).exists():
+            try:
+                state = json.loads((out / STATE_NAME).read_text())
+            except (OSError, json.JSONDecodeError):
+                state = None
+        if (out / MANIFEST_NAME).exists() and not force:
+            raise OutputError(f"{out} already holds a packed model",
+                              hint="choose another output folder, or pass --force to replace it")
+        if state and state.get("fingerprint") == fingerprint and not (out / MANIFEST_NAME).exists():
+            return state
+        if not force:
+            if state:
+                raise OutputError(f"{out} holds an unfinished conversion with other settings (source or bits differ)",
+                                  hint="re-run with the same arguments to resume it, or pass --force to start over")
+            raise OutputError(f"{out} is not empty and is not a moepack output folder",
+                              hint="choose a new or empty output folder")
+        if not ours:
+            raise OutputError(f"{out} is not empty and is not a moepack output folder; --force only replaces "
+                              "moepack output", hint="choose a new or empty output folder")
+        shutil.rmtree(out)
+    out.mkdir(parents=True, exist_ok=True)
+    return {}
+
+
+def _save_state(out: Path, state: dict) -> None:
+    write_json_atomic(out / STATE_NAME, state)
+
+
+def _check_disk(out: Path, needed: int) -> None:
+    free = shutil.disk_usage(out).free
+    margin = 64 * 1024 * 1024
+    if free < needed + margin:
+        raise DiskSpaceError(f"not enough disk space in {out}: {needed / 1e9:.2f} GB needed, {free / 1e9:.2f} GB free")
+
+
+# -- one layer --------------------------------------------------------------------------------------
+
+def _pwrite_all(fd: int, buf: np.ndarray, offset: int, path) -> None:
+    view = memoryview(buf).cast("B")
+    done = 0
+    try:
+        while done < len(view):
+            done += os.pwrite(fd, view[done:], offset + done)
+    except OSError as e:
+        if e.errno == 28:  # ENOSPC
+            raise DiskSpaceError(f"disk full while writing {path}") from None
+        raise
+
+
+class _ErrAcc:
+    def __init__(self):
+        self.sum_sq = {p: 0.0 for p in PROJS}
+        self.count = {p: 0 for p in PROJS}
+        self.max_abs = {p: 0.0 for p in PROJS}
+
+    def add(self, proj, s, m, c):
+        self.sum_sq[proj] += s
+        self.max_abs[proj] = max(self.max_abs[proj], m)
+        self.count[proj] += c
+
+    def row(self, layer: int, bits: int) -> dict:
+        r = {"layer": layer, "bits": bits}
+        for p in PROJS:
+            r[p] = float(np.sqrt(self.sum_sq[p] / self.count[p])) if self.count[p] else 0.0
+        r["max_abs"] = {p: float(self.max_abs[p]) for p in PROJS}
+        return r
+
+
+def _transform(plan: LayerPlan, loaded: dict, n: int, acc: _ErrAcc) -> np.ndarray:
+    from .quant import affine_fast, requant
+
+    layout = plan.layout
+    rec = np.zeros((n, layout.record_size), dtype=np.uint8)
+    for proj in PROJS:
+        tb = plan.target_bits[proj]
+        src = plan.experts.projs[proj]
+        if plan.experts.kind == "mlx":
+            w, s, b = loaded[proj]
+            if tb == src.bits:
+                arrs = (w, s, b)
+            else:
+                arrs = requant.requantize_minmax(w, s, b, src.bits, tb, plan.group_size)
+                acc.add(proj, *requant.quant_error(w, s, b, src.bits, *arrs, tb, plan.group_size))
+        else:
+            f = loaded[proj]
+            arrs = affine_fast.quantize(f, tb, plan.group_size)
+            d = affine_fast.dequantize(*arrs, tb, plan.group_size) - f
+            acc.add(proj, float(np.square(d, dtype=np.float64).sum()), float(np.abs(d).max()), d.size)
+        for part, arr in zip(PARTS, arrs):
+            c = layout.component(f"{proj}.{part}")
+            rec[:, c.offset : c.offset + c.nbytes] = np.ascontiguousarray(arr).reshape(n, -1).view(np.uint8)
+    return rec
+
+
+def _convert_layer(plan: LayerPlan, out: Path, num_experts: int, reader: FileReader, pool, bar, depth: int):
+    layout = plan.layout
+    le = plan.experts
+    per_expert = le.source_bytes(num_experts) / num_experts
+    step = max(1, min(num_experts, int(CHUNK_BYTES // max(per_expert, 1))))
+    chunks = [(e0, min(num_experts, e0 + step)) for e0 in range(0, num_experts, step)]
+    final = out / plan.file
+    tmp = final.with_name(final.name + ".partial")
+    checksums: list[str | None] = [None] * num_experts
+    acc = _ErrAcc()
+
+    def load(e0, e1):
+        if le.kind == "mlx":
+            return {p: read_quant_slice(reader, q, e0, e1) for p, q in le.projs.items()}
+        return {p: read_float_slice(reader, q, e0, e1) for p, q in le.projs.items()}
+
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        def store(e0, rec):
+            for i in range(rec.shape[0]):
+                checksums[e0 + i] = hash_bytes(rec[i])
+            _pwrite_all(fd, rec, e0 * layout.record_size, final)
+
+        loads: deque = deque()
+        stores: deque = deque()
+        todo = iter(chunks)
+        for c in todo:
+            loads.append((c, pool.submit(load, *c)))
+            if len(loads) >= depth:
+                break
+        while loads:
+            (e0, e1), fut = loads.popleft()
+            loaded = fut.result()
+            nxt = next(todo, None)
+            if nxt is not None:
+                loads.append((nxt, pool.submit(load, *nxt)))
+            rec = _transform(plan, loaded, e1 - e0, acc)
+            del loaded
+            stores.append(pool.submit(store, e0, rec))
+            while len(stores) > depth:
+                stores.popleft().result()
+            bar.advance(per_expert * (e1 - e0))
+        while stores:
+            stores.popleft().result()
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.replace(tmp, final)
+    fsync_dir(final.parent)
+    bits = max(plan.target_bits.values())
+    return checksums, acc.row(le.layer, bits)
+
+
+def _layer_still_good(out: Path, plan: LayerPlan, done: dict, num_experts: int) -> bool:
+    f = out / plan.file
+    size = plan.layout.record_size * num_experts
+    if not f.is_file() or f.stat().st_size != size or len(done.get("checksums", [])) != num_experts:
+        return False
+    with open(f, "rb", buffering=0) as fh:
+        for e in range(num_experts):
+            buf = fh.read(plan.layout.record_size)
+            if hash_bytes(buf) != done["checksums"][e]:
+                return False
+    return True
+
+
+# -- dense part and the small files ----------------------------------------------------------------
+
+def _write_dense(out: Path, tensors) -> list[FileEntry]:
+    total = sum(t.nbytes for t in tensors)
+    groups, cur, cur_bytes = [], [], 0
+    for t in tensors:
+        # keep the weight/scales/biases of one module in one shard
+        if cur and cur_bytes + t.nbytes > DENSE_SHARD_BYTES and not t.name.endswith((".scales", ".biases")):
+            groups.append(cur)
+            cur, cur_bytes = [], 0
+        cur.append(t)
+        cur_bytes += t.nbytes
+    groups.append(cur)
+    entries = []
+    if len(groups) == 1:
+        names = [DENSE_NAME]
+    else:
+        names = [DENSE_SHARD_NAME.format(index=i + 1, count=len(groups)) for i in range(len(groups))]
+    weight_map = {}
+    for name, group in zip(names, groups):
+        write_safetensors(out / name, [(t.name, t.dtype, t.shape, t.produce) for t in group], {"format": "mlx"})
+        entries.append(FileEntry(name, (out / name).stat().st_size, hash_file(out / name)))
+        weight_map.update({t.name: name for t in group})
+    if len(groups) > 1:
+        write_json_atomic(out / DENSE_INDEX_NAME, {"metadata": {"total_size": total}, "weight_map": weight_map})
+        entries.append(FileEntry(DENSE_INDEX_NAME, (out / DENSE_INDEX_NAME).stat().st_size,
+                                 hash_file(out / DENSE_INDEX_NAME)))
+    return entries
+
+
+def _copy_aux(ckpt, out: Path, config_override: dict | None) -> list[FileEntry]:
+    entries = []
+    for src in ckpt.aux_files:
+        src = Path(src)
+        dst = out / src.name
+        tmp = dst.with_name(dst.name + ".tmp")
+        if src.name == "config.json" and config_override is not None:
+            tmp.write_text(json.dumps(config_override, indent=2) + "\n")
+        else:
+            shutil.copyfile(src, tmp)
+        os.replace(tmp, dst)
+        entries.append(FileEntry(src.name, dst.stat().st_size, hash_file(dst)))
+    return entries
+
+
+# -- the command ---------------------------------------------------------------------------------------
+
+def convert(src: str, out: str | os.PathLike, *, bits: int | None = None, layer_bits: str | dict | None = None,
+            workers: int | None = None, force: bool = False, revision: str | None = None, group_size: int = 64,
+            progress: bool = True) -> Manifest:
+    """Pack `src` (folder or hub repo id) into `out`. Re-running after an interruption resumes."""
+    out = Path(out)
+    lb = layer_bits if isinstance(layer_bits, dict) else parse_layer_bits(layer_bits)
+    workers = max(1, workers or os.cpu_count() or 1)
+    ckpt = open_checkpoint(src, revision=revision)
+    try:
+        return _convert(ckpt, out, bits, lb, workers, force, group_size, progress)
+    finally:
+        ckpt.close()
+
+
+def _convert(ckpt, out, bits, lb, workers, force, group_size, progress) -> Manifest:
+    arch, shape, kind, plans = plan_conversion(ckpt, bits, lb, group_size)
+    expert_layers = {p.experts.layer for p in plans}
+    if kind == "mlx":
+        is_expert = lambda n: arch.expert_layer_of(n) is not None  # noqa: E731
+        dense = plan_dense_mlx(ckpt, is_expert)
+        qblock = ckpt.quantization
+        config_out = None
+    else:
+        is_expert = lambda n: arch.hf_expert_layer_of(n) is not None  # noqa: E731
+        dense, qblock = plan_dense_hf(ckpt, arch, is_expert, bits=4, group_size=group_size)
+        config_out = dict(ckpt.config)
+        config_out["quantization"] = qblock
+        config_out["quantization_config"] = qblock
+    source = _source_identity(ckpt)
+    fp = _fingerprint(ckpt, source, plans, kind)
+    state = _prepare_output(out, fp, force)
+    state.setdefault("fingerprint", fp)
+    state.setdefault("layers", {})
+    E = shape.num_experts
+
+    needed = sum(p.layout.record_size * E for p in plans if str(p.experts.layer) not in state["layers"])
+    needed += sum(t.nbytes for t in dense) + sum(Path(f).stat().st_size for f in ckpt.aux_files)
+    _check_disk(out, needed)
+    (out / EXPERTS_DIR).mkdir(exist_ok=True)
+    _save_state(out, state)
+
+    reader = FileReader()
+    total = sum(p.experts.source_bytes(E) for p in plans)
+    try:
+        with ThreadPoolExecutor(max_workers=workers) as pool, \
+                progress_bar(f"packing {len(plans)} layers", total, enabled=progress) as bar:
+            for i, plan in enumerate(plans):
+                key = str(plan.experts.layer)
+                bar.describe(f"layer {i + 1}/{len(plans)}")
+                done = state["layers"].get(key)
+                if done and _layer_still_good(out, plan, done, E):
+                    bar.advance(plan.experts.source_bytes(E))
+                    continue
+                checksums, rmse_row = _convert_layer(plan, out, E, reader, pool, bar, depth=max(2, workers))
+                state["layers"][key] = {"checksums": checksums, "rmse": rmse_row}
+                _save_state(out, state)
+    finally:
+        reader.close()
+
+    dense_entries = [FileEntry(**f) for f in state.get("dense", [])]
+    if not dense_entries or not all((out / f.name).is_file() and (out / f.name).stat().st_size == f.size
+                                    for f in dense_entries):
+        dense_entries = _write_dense(out, dense)
+        state["dense"] = [f.to_json() for f in dense_entries]
+        _save_state(out, state)
+    aux_entries = _copy_aux(ckpt, out, config_out)
+
+    layouts = {p.layout.key: p.layout for p in plans}
+    requantized = any(p.method != "repack" for p in plans)
+    rmse = None
+    if requantized:
+        rows = [state["layers"][str(p.experts.layer)]["rmse"] for p in plans]
+        rmse = {"reference": "source" if kind == "mlx" else "source (float)", "layers": rows,
+                "overall": {pr: float(np.mean([r[pr] for r in rows])) for pr in PROJS}}
+    expert_q = {"group_size": sorted({p.group_size for p in plans}),
+                "layouts": sorted(layouts), "methods": sorted({p.method for p in plans})}
+    if kind == "mlx":
+        expert_q["source_bits"] = sorted({b for p in plans for b in p.experts.source_bits.values()})
+    manifest = Manifest(
+        moepack_version=__version__,
+        source=source,
+        model_type=arch.model_type,
+        config=ckpt.config,
+        moe=shape,
+        quantization={"source": qblock, "routed_experts": expert_q, "dense": summarize_quantization(dense, qblock)},
+        record_layouts=layouts,
+        layers=tuple(LayerEntry(p.experts.layer, p.file, p.layout.key, max(p.target_bits.values()), p.method)
+                     for p in plans),
+        record_checksums={p.experts.layer: tuple(state["layers"][str(p.experts.layer)]["checksums"]) for p in plans},
+        dense_files=tuple(dense_entries),
+        aux_files=tuple(aux_entries),
+        rmse=rmse,
+    )
+    save_manifest(out, manifest)
+    os.unlink(out / STATE_NAME)
+    fsync_dir(out)
+    del expert_layers
+    return manifest
