@@ -386,7 +386,7 @@ def _convert(ckpt, out, bits, lb, workers, force, group_size, progress) -> Manif
                     bar.advance(plan.experts.source_bytes(E))
                     continue
                 checksums, rmse_row = _convert_layer(plan, out, E, reader, pool, bar, depth=max(2, workers))
-                state["layers"][key] = {"checksums": checksums, "rmse": rmse_row}
+                state["layers"][key] = {"file": plan.file, "checksums": checksums, "rmse": rmse_row}
                 _save_state(out, state)
     finally:
         reader.close()

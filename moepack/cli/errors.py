@@ -19,16 +19,15 @@ def _fail(message: str, hint: str | None, code: int) -> int:
 
 def run_guarded(cli, argv=None) -> int:
     try:
-        cli.main(args=argv, prog_name="moepack", standalone_mode=False)
-        return 0
+        # with standalone_mode=False click returns ctx.exit()'s code instead of raising
+        rv = cli.main(args=argv, prog_name="moepack", standalone_mode=False)
+        return rv if isinstance(rv, int) else 0
     except click.exceptions.Exit as e:
         return e.exit_code
     except click.ClickException as e:
         e.show()
         return e.exit_code
-    except click.exceptions.Abort:
-        return _fail("aborted", None, 130)
-    except KeyboardInterrupt:
+    except (click.exceptions.Abort, KeyboardInterrupt):  # click turns Ctrl-C into Abort
         return _fail("interrupted", "re-run the same command to resume where it stopped", 130)
     except MoepackError as e:
         return _fail(e.message, e.hint, e.exit_code)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import sys
 
 import click
 
@@ -35,7 +34,7 @@ def verify_cmd(packed, workers, quiet, as_json):
         for p in rep.problems:
             click.echo(f"problem: {p}")
         click.echo(f"{len(rep.problems)} problem(s); re-run `moepack convert` (it resumes) or re-download", err=True)
-    sys.exit(0 if rep.ok else 1)
+    click.get_current_context().exit(0 if rep.ok else 1)
 
 
 @click.command("verify-rmse")
