@@ -110,8 +110,11 @@ from moepack.convert import convert
 t = time.perf_counter()
 convert(sys.argv[1], sys.argv[2], bits=int(sys.argv[3]) if sys.argv[3] != '0' else None, force=True, progress=False)
 dt = time.perf_counter() - t
-rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-rss = rss if sys.platform == 'darwin' else rss * 1024
+# Linux keeps ru_maxrss across exec (it would report the parent's peak): read VmHWM instead
+if sys.platform == 'darwin':
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+else:
+    rss = next(int(l.split()[1]) * 1024 for l in open('/proc/self/status') if l.startswith('VmHWM'))
 print(json.dumps({"seconds": dt, "peak_rss": rss}))
 """
 

@@ -26,6 +26,7 @@ from .layout.checksum import hash_bytes, hash_file
 from .layout.constants import (DENSE_INDEX_NAME, DENSE_NAME, DENSE_SHARD_BYTES, DENSE_SHARD_NAME, EXPERTS_DIR,
                                FORMAT_VERSION, MANIFEST_NAME, STATE_NAME, layer_file_name)
 from .layout.manifest import FileEntry, LayerEntry, Manifest, save_manifest
+from .layout.reader import aligned_empty
 from .layout.record import RecordLayout, record_layout
 from .progress import progress_bar
 from .source.checkpoint import open_checkpoint
@@ -193,47 +194,71 @@ class _ErrAcc:
         return r
 
 
-def _transform(plan: LayerPlan, loaded: dict, n: int, acc: _ErrAcc) -> np.ndarray:
+def _scatter_read(reader: FileReader, q, rec: np.ndarray, layout: RecordLayout, e0: int, e1: int) -> None:
+    """Bit-exact repack: read experts e0..e1 of one projection straight into their record slots.
+
+    Expert e's slice of a stacked tensor is contiguous in the source, so one preadv per component scatters
+    the whole run of experts into the records: no intermediate copy.
+    """
+    for part in PARTS:
+        t = q.tensors[part]
+        per = t.nbytes // t.shape[0]
+        c = layout.component(f"{q.proj}.{part}")
+        views = [rec[i, c.offset : c.offset + c.nbytes] for i in range(e1 - e0)]
+        reader.preadv(q.files[part], views, t.start + e0 * per)
+
+
+def _load(plan: LayerPlan, reader: FileReader, e0: int, e1: int):
+    """Records for experts e0..e1 with the repacked components filled in, and the sources to transform."""
+    layout = plan.layout
+    le = plan.experts
+    rec = aligned_empty(layout.record_size * (e1 - e0)).reshape(e1 - e0, layout.record_size)
+    rec[:, layout.payload_size :] = 0
+    pending = {}
+    for proj in PROJS:
+        src = le.projs[proj]
+        if le.kind == "mlx" and plan.target_bits[proj] == src.bits:
+            _scatter_read(reader, src, rec, layout, e0, e1)
+        elif le.kind == "mlx":
+            pending[proj] = read_quant_slice(reader, src, e0, e1)
+        else:
+            pending[proj] = read_float_slice(reader, src, e0, e1)
+    return rec, pending
+
+
+def _transform(plan: LayerPlan, rec: np.ndarray, pending: dict, acc: _ErrAcc) -> None:
+    """Requantize / quantize the components that are not plain copies, into their record slots."""
     from .quant import affine_fast, requant
 
     layout = plan.layout
-    rec = np.zeros((n, layout.record_size), dtype=np.uint8)
-    for proj in PROJS:
+    n = rec.shape[0]
+    for proj, loaded in pending.items():
         tb = plan.target_bits[proj]
-        src = plan.experts.projs[proj]
         if plan.experts.kind == "mlx":
-            w, s, b = loaded[proj]
-            if tb == src.bits:
-                arrs = (w, s, b)
-            else:
-                arrs = requant.requantize_minmax(w, s, b, src.bits, tb, plan.group_size)
-                acc.add(proj, *requant.quant_error(w, s, b, src.bits, *arrs, tb, plan.group_size))
+            w, s, b = loaded
+            sb = plan.experts.projs[proj].bits
+            arrs = requant.requantize_minmax(w, s, b, sb, tb, plan.group_size)
+            acc.add(proj, *requant.quant_error(w, s, b, sb, *arrs, tb, plan.group_size))
         else:
-            f = loaded[proj]
+            f = loaded
             arrs = affine_fast.quantize(f, tb, plan.group_size)
             d = affine_fast.dequantize(*arrs, tb, plan.group_size) - f
             acc.add(proj, float(np.square(d, dtype=np.float64).sum()), float(np.abs(d).max()), d.size)
         for part, arr in zip(PARTS, arrs):
             c = layout.component(f"{proj}.{part}")
             rec[:, c.offset : c.offset + c.nbytes] = np.ascontiguousarray(arr).reshape(n, -1).view(np.uint8)
-    return rec
 
 
 def _convert_layer(plan: LayerPlan, out: Path, num_experts: int, reader: FileReader, pool, bar, depth: int):
     layout = plan.layout
     le = plan.experts
     per_expert = le.source_bytes(num_experts) / num_experts
-    step = max(1, min(num_experts, int(CHUNK_BYTES // max(per_expert, 1))))
+    step = max(1, min(num_experts, 1000, int(CHUNK_BYTES // max(per_expert, 1))))
     chunks = [(e0, min(num_experts, e0 + step)) for e0 in range(0, num_experts, step)]
     final = out / plan.file
     tmp = final.with_name(final.name + ".partial")
     checksums: list[str | None] = [None] * num_experts
     acc = _ErrAcc()
-
-    def load(e0, e1):
-        if le.kind == "mlx":
-            return {p: read_quant_slice(reader, q, e0, e1) for p, q in le.projs.items()}
-        return {p: read_float_slice(reader, q, e0, e1) for p, q in le.projs.items()}
 
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
@@ -242,21 +267,24 @@ def _convert_layer(plan: LayerPlan, out: Path, num_experts: int, reader: FileRea
                 checksums[e0 + i] = hash_bytes(rec[i])
             _pwrite_all(fd, rec, e0 * layout.record_size, final)
 
+        # reads and writes run on the pool; (re)quantization runs here, one chunk at a time, because the
+        # numba kernels are parallel inside and must not be entered from several threads at once
         loads: deque = deque()
         stores: deque = deque()
         todo = iter(chunks)
         for c in todo:
-            loads.append((c, pool.submit(load, *c)))
+            loads.append((c, pool.submit(_load, plan, reader, *c)))
             if len(loads) >= depth:
                 break
         while loads:
             (e0, e1), fut = loads.popleft()
-            loaded = fut.result()
+            rec, pending = fut.result()
             nxt = next(todo, None)
             if nxt is not None:
-                loads.append((nxt, pool.submit(load, *nxt)))
-            rec = _transform(plan, loaded, e1 - e0, acc)
-            del loaded
+                loads.append((nxt, pool.submit(_load, plan, reader, *nxt)))
+            if pending:
+                _transform(plan, rec, pending, acc)
+            del pending
             stores.append(pool.submit(store, e0, rec))
             while len(stores) > depth:
                 stores.popleft().result()

@@ -182,3 +182,50 @@ def test_workers_do_not_change_bytes(mlx_ckpt, tmp_path):
     ta.pop(MANIFEST_NAME), tb.pop(MANIFEST_NAME)
     assert ta == tb
     assert os.path.getsize(a / "packed_experts" / "layer_00.bin") % 16384 == 0
+
+
+def test_qwen397_shapes_layer_file_is_flash_moe_layout(tmp_path):
+    """Real 397B expert shapes (D=4096, I=1024), few experts: records need no padding and the layer file is
+    exactly Flash-MoE's: expert after expert, each gate w/s/b, up w/s/b, down w/s/b, no header."""
+    from moepack.testing.fixtures import write_mlx_checkpoint
+
+    src = write_mlx_checkpoint(tmp_path / "s", arch="qwen3_moe", bits=4, seed=5, num_hidden_layers=1, num_experts=3,
+                               hidden_size=4096, moe_intermediate_size=1024, intermediate_size=1024,
+                               num_attention_heads=2, num_key_value_heads=1, head_dim=64, vocab_size=512, shards=1)
+    m = convert(str(src), tmp_path / "p", progress=False)
+    lay = m.layout_of(0)
+    assert lay.record_size == 7_077_888
+    assert [c.offset for c in lay.components] == [0, 2_097_152, 2_228_224, 2_359_296, 4_456_448, 4_587_520,
+                                                 4_718_592, 6_815_744, 6_946_816]
+    ck = open_checkpoint(str(src))
+    arch = get_architecture("qwen3_moe")
+    parts = [ck.read(arch.expert_name(0, p, part)) for p in ("gate", "up", "down") for part in ("weight", "scales", "biases")]
+    flash = b"".join(t[e].tobytes() for e in range(3) for t in parts)
+    assert (tmp_path / "p" / "packed_experts" / "layer_00.bin").read_bytes() == flash
+    ck.close()
+
+
+def test_convert_from_hub_repo_id_offline(mlx_ckpt, tmp_path):
+    """A repo id resolves through huggingface_hub's real cache code path (HF_HUB_OFFLINE=1)."""
+    import hashlib
+    import subprocess
+    import sys
+
+    from test_checkpoint import _hub_repo
+
+    cache = tmp_path / "hub"
+    commit = hashlib.sha1(b"moepack-convert").hexdigest()
+    _hub_repo(cache, "tiny-org/tiny-q35", Path(mlx_ckpt), commit)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "HUGGINGFACE_"))}
+    env.update(HF_HUB_CACHE=str(cache), HF_HOME=str(tmp_path / "hf-home"), HF_HUB_OFFLINE="1",
+               PYTHONPATH=str(Path(__file__).resolve().parents[1]))
+    out = tmp_path / "p"
+    r = subprocess.run([sys.executable, "-m", "moepack", "convert", "tiny-org/tiny-q35", str(out), "-q"],
+                       env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    m = load_manifest(out)
+    assert m.source == {"type": "hub", "repo_id": "tiny-org/tiny-q35", "revision": commit}
+    r = subprocess.run([sys.executable, "-m", "moepack", "convert", "tiny-org/absent", str(tmp_path / "q")],
+                       env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 1 and r.stderr.startswith("error: ") and "Traceback" not in r.stderr
+    assert not (tmp_path / "q" / MANIFEST_NAME).exists()

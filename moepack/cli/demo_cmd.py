@@ -35,7 +35,8 @@ def demo_cmd(out, arch):
                                  moe_intermediate_size=128, seed=0)
         for bits in (4, 2):
             dst = root / f"packed-{bits}bit"
-            click.echo(f"2. moepack convert {src.name} {dst.name} --bits {bits}")
+            step = "2a" if bits == 4 else "2b"
+            click.echo(f"{step}. moepack convert {src.name} {dst.name} --bits {bits}")
             convert(str(src), dst, bits=bits, force=True, progress=False)
             rep = verify(dst, progress=False)
             info = inspect(dst)

@@ -193,6 +193,25 @@ class FileReader:
             done += n
         return buf
 
+    def preadv(self, path: str, views: list, start: int) -> None:
+        """Scatter-read len(views) consecutive byte ranges starting at `start` into `views` (uint8 arrays)."""
+        fd = self._fds.get(path)
+        if fd is None:
+            fd = self._fds.setdefault(path, os.open(path, os.O_RDONLY))
+        bufs = [memoryview(v) for v in views]
+        want = sum(len(b) for b in bufs)
+        done = 0
+        while bufs:
+            n = os.preadv(fd, bufs, start + done)
+            if n == 0:
+                raise CorruptFileError(f"{path} is truncated: wanted {want} bytes at offset {start}")
+            done += n
+            while bufs and n >= len(bufs[0]):  # drop the filled buffers, trim a partly filled one
+                n -= len(bufs[0])
+                bufs.pop(0)
+            if bufs and n:
+                bufs[0] = bufs[0][n:]
+
     def close(self):
         for fd in self._fds.values():
             os.close(fd)

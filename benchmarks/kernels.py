@@ -1,0 +1,140 @@
+"""Kernel timings at the Qwen3.5-397B expert shape (D=4096, I=1024, group 64), 4-bit and 2-bit.
+
+For each bit width: one expert FFN (gate + up + down) at T=1 (decode) and T=16 (a prefill batch) with the
+numba kernels on 1 and 2 threads, the effective GB/s of quantized weights processed, the numpy reference
+(kernels_ref) and, if ``mlx.core`` imports, mx.quantized_matmul on the CPU for ratios; then one
+qmatmul [1 x 4096] x [4096 x 4096]^T.
+
+    .venv/bin/python benchmarks/kernels.py [--reps 30]
+
+Times are the minimum and median over --reps calls after a warm-up call (which also compiles); the
+weights of one expert (7 MB at 4 bits) stay in the CPU caches between calls, so these are compute figures,
+not SSD figures. On a shared machine the medians move with whatever else runs; the minima are the
+kernel's capability.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import numpy as np
+
+D, I, GS = 4096, 1024, 64
+
+
+def timeit(fn, reps: int) -> tuple[float, float]:
+    fn()  # warm-up (and numba compile)
+    ts = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t)
+    return min(ts), float(np.median(ts))
+
+
+def nbytes(*arrays) -> int:
+    return sum(a.nbytes for a in arrays)
+
+
+def mlx_setup():
+    try:
+        import mlx.core as mx
+    except Exception:  # noqa: BLE001 - any import problem means "no mlx here"
+        return None
+    mx.set_default_device(mx.cpu)
+    return mx
+
+
+def mlx_q(mx, w, s, b):
+    from moepack.quant.bf16 import bf16_to_f32
+
+    return (mx.array(w), mx.array(bf16_to_f32(s)).astype(mx.bfloat16), mx.array(bf16_to_f32(b)).astype(mx.bfloat16))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--reps", type=int, default=30, help="timed calls per figure (numba, mlx)")
+    ap.add_argument("--ref-reps", type=int, default=2, help="timed calls of the (slow) numpy reference")
+    args = ap.parse_args()
+
+    import numba
+
+    from moepack.quant.affine_ref import quantize
+    from moepack.runtime import kernels_numba as KN
+    from moepack.runtime import kernels_ref as KR
+
+    mx = mlx_setup()
+    rng = np.random.default_rng(0)
+    max_threads = numba.config.NUMBA_NUM_THREADS
+    threads = [t for t in (1, 2) if t <= max_threads]
+    print(f"numba {numba.__version__}, {max_threads} threads available, layer: ", end="")
+    KN.rmsnorm(np.ones((1, 8), np.float32), np.ones(8, np.float32), 1e-6)
+    KN.qmatmul(np.ones((1, 64), np.float32), *quantize(np.ones((4, 64), np.float32), 4, 64), 4, 64)
+    print(numba.threading_layer())
+    print(f"mlx: {'mx.quantized_matmul on CPU' if mx is not None else 'not importable, skipped'}\n")
+
+    def row(label, t_min, t_med, nb, ref=None, mlx=None):
+        line = f"  {label:<26} {t_min * 1e3:8.3f} ms (median {t_med * 1e3:8.3f})  {nb / t_min / 1e9:6.2f} GB/s"
+        if ref is not None:
+            line += f"  x{ref / t_min:7.1f} vs numpy ref"
+        if mlx is not None:
+            line += f"  x{mlx / t_min:5.1f} vs mlx"
+        print(line)
+
+    for bits in (4, 2):
+        gate = quantize((rng.standard_normal((I, D)) * 0.02).astype(np.float32), bits, GS)
+        up = quantize((rng.standard_normal((I, D)) * 0.02).astype(np.float32), bits, GS)
+        down = quantize((rng.standard_normal((D, I)) * 0.02).astype(np.float32), bits, GS)
+        nb = nbytes(*gate, *up, *down)
+        print(f"expert FFN, {bits}-bit, group {GS}: {nb:,} bytes of weights")
+        for T in (1, 16):
+            x = rng.standard_normal((T, D)).astype(np.float32)
+            ref_min, _ = timeit(lambda: KR.expert_ffn(x, *gate, *up, *down, bits, GS), args.ref_reps)
+            mlx_min = None
+            if mx is not None:
+                xm = mx.array(x)
+                g_, u_, d_ = mlx_q(mx, *gate), mlx_q(mx, *up), mlx_q(mx, *down)
+
+                def ffn_mlx():
+                    g = mx.quantized_matmul(xm, *g_, transpose=True, group_size=GS, bits=bits)
+                    u = mx.quantized_matmul(xm, *u_, transpose=True, group_size=GS, bits=bits)
+                    h = g * mx.sigmoid(g) * u
+                    mx.eval(mx.quantized_matmul(h, *d_, transpose=True, group_size=GS, bits=bits))
+
+                mlx_min, mlx_med = timeit(ffn_mlx, args.reps)
+            for nt in threads:
+                numba.set_num_threads(nt)
+                t_min, t_med = timeit(lambda: KN.expert_ffn(x, *gate, *up, *down, bits, GS), args.reps)
+                row(f"T={T:<3} numba {nt} thread{'s' if nt > 1 else ' '}", t_min, t_med, nb, ref_min, mlx_min)
+            numba.set_num_threads(max_threads)
+            row(f"T={T:<3} numpy reference", ref_min, ref_min, nb)
+            if mlx_min is not None:
+                row(f"T={T:<3} mlx CPU", mlx_min, mlx_med, nb)
+        print()
+
+    for bits in (4, 2):
+        w, s, b = quantize((rng.standard_normal((D, D)) * 0.02).astype(np.float32), bits, GS)
+        x = rng.standard_normal((1, D)).astype(np.float32)
+        nb = nbytes(w, s, b)
+        print(f"qmatmul [1 x {D}] x [{D} x {D}]^T, {bits}-bit, group {GS}: {nb:,} bytes of weights")
+        ref_min, _ = timeit(lambda: KR.qmatmul(x, w, s, b, bits, GS), args.ref_reps)
+        mlx_min = None
+        if mx is not None:
+            xm, q = mx.array(x), mlx_q(mx, w, s, b)
+            mlx_min, mlx_med = timeit(
+                lambda: mx.eval(mx.quantized_matmul(xm, *q, transpose=True, group_size=GS, bits=bits)), args.reps
+            )
+        for nt in threads:
+            numba.set_num_threads(nt)
+            t_min, t_med = timeit(lambda: KN.qmatmul(x, w, s, b, bits, GS), args.reps)
+            row(f"numba {nt} thread{'s' if nt > 1 else ' '}", t_min, t_med, nb, ref_min, mlx_min)
+        numba.set_num_threads(max_threads)
+        row("numpy reference", ref_min, ref_min, nb)
+        if mlx_min is not None:
+            row("mlx CPU", mlx_min, mlx_med, nb)
+        print()
+
+
+if __name__ == "__main__":
+    main()
