@@ -376,7 +376,6 @@ def convert(src: str, out: str | os.PathLike, *, bits: int | None = None, layer_
 
 def _convert(ckpt, out, bits, lb, workers, force, group_size, progress) -> Manifest:
     arch, shape, kind, plans = plan_conversion(ckpt, bits, lb, group_size)
-    expert_layers = {p.experts.layer for p in plans}
     if kind == "mlx":
         is_expert = lambda n: arch.expert_layer_of(n) is not None  # noqa: E731
         dense = plan_dense_mlx(ckpt, is_expert)
@@ -456,5 +455,4 @@ def _convert(ckpt, out, bits, lb, workers, force, group_size, progress) -> Manif
     save_manifest(out, manifest)
     os.unlink(out / STATE_NAME)
     fsync_dir(out)
-    del expert_layers
     return manifest

@@ -207,3 +207,21 @@ def test_console_script_has_no_traceback(tmp_path):
         pytest.skip("console script not installed (package not pip-installed)")
     r = subprocess.run([str(exe), "verify", str(tmp_path)], capture_output=True, text=True)
     assert r.returncode == 1 and r.stderr.startswith("error: ") and "Traceback" not in r.stderr
+
+
+def test_verify_rmse_plot(capsys, mlx_ckpt, tmp_path):
+    pytest.importorskip("matplotlib")
+    out = tmp_path / "p2"
+    assert run(capsys, "convert", str(mlx_ckpt), str(out), "--bits", "2", "-q")[0] == 0
+    png = tmp_path / "rmse.png"
+    assert run(capsys, "verify-rmse", str(out), "--plot", str(png), "-q")[0] == 0
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 5000
+
+
+def test_group_size_that_does_not_divide(capsys, tmp_path):
+    from moepack.testing.fixtures import write_hf_checkpoint
+
+    hf = write_hf_checkpoint(tmp_path / "hf", arch="qwen3_moe", seed=1)
+    code, _, err = run(capsys, "convert", str(hf), str(tmp_path / "o"), "--group-size", "48")
+    _assert_clean_error(code, err, "group size 48")
+    _no_packed_model(tmp_path / "o")

@@ -299,3 +299,15 @@ def test_router_ties_go_to_the_lower_index():
     np.testing.assert_allclose(w, 1 / 3, rtol=1e-6)
     idx, _ = KN.router_topk(logits, 5, False)
     assert idx.tolist() == [[1, 2, 4, 5, 0], [0, 1, 2, 3, 4]]
+
+
+def test_read_only_inputs():
+    # dense weights arrive as read-only views into mapped files
+    r = rng("readonly")
+    w, s, b = qweights(r, 16, 128, 4, 64)
+    x = r.standard_normal((2, 128)).astype(np.float32)
+    expect = KN.qmatmul(x, w, s, b, 4, 64)
+    for a in (w, s, b, x):
+        a.flags.writeable = False
+    assert np.array_equal(KN.qmatmul(x, w, s, b, 4, 64), expect)
+    assert np.array_equal(KN.qembedding(np.array([3, 1]), w, s, b, 4, 64), REF.qembedding([3, 1], w, s, b, 4, 64))

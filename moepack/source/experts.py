@@ -180,17 +180,8 @@ class FileReader:
         self._fds: dict[str, int] = {}
 
     def pread(self, path: str, start: int, nbytes: int) -> np.ndarray:
-        fd = self._fds.get(path)
-        if fd is None:
-            fd = self._fds.setdefault(path, os.open(path, os.O_RDONLY))
         buf = np.empty(nbytes, dtype=np.uint8)
-        view = memoryview(buf)
-        done = 0
-        while done < nbytes:
-            n = os.preadv(fd, [view[done:]], start + done)
-            if n == 0:
-                raise CorruptFileError(f"{path} is truncated: wanted {nbytes} bytes at offset {start}")
-            done += n
+        self.preadv(path, [buf], start)
         return buf
 
     def preadv(self, path: str, views: list, start: int) -> None:
