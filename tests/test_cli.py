@@ -106,7 +106,7 @@ def test_not_a_packed_model(capsys, tmp_path):
     code, _, err = run(capsys, "verify", str(tmp_path))
     _assert_clean_error(code, err, "moepack.json")
     code, _, err = run(capsys, "inspect", str(tmp_path / "nope"))
-    _assert_clean_error(code, err, "not a folder")
+    _assert_clean_error(code, err, "no such folder")
 
 
 def _no_packed_model(out: Path):

@@ -10,11 +10,12 @@ from .tables import human_bytes, rmse_table
 
 
 @click.command("verify")
-@click.argument("packed", type=click.Path(file_okay=False))
+@click.argument("packed")
+@click.option("--revision", default=None, help="Hub revision when PACKED is a repo id.")
 @click.option("--workers", type=int, default=None, help="Threads (default: all cores).")
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
-def verify_cmd(packed, workers, quiet, as_json):
+def verify_cmd(packed, revision, workers, quiet, as_json):
     """Check every file of a packed model: present, right size, every record's checksum.
 
     Exit status 0 when everything checks out, 1 otherwise (each problem named).
@@ -23,8 +24,10 @@ def verify_cmd(packed, workers, quiet, as_json):
     Example:
       moepack verify ./q397-2bit
     """
+    from ..hub.pull import resolve_packed
     from ..verify import verify
 
+    packed = resolve_packed(packed, revision, progress=not quiet and not as_json)
     rep = verify(packed, workers=workers, progress=not quiet and not as_json)
     if as_json:
         click.echo(json.dumps(rep.to_json(), indent=1))
@@ -69,20 +72,22 @@ def verify_rmse_cmd(packed, source, revision, json_file, plot_file, quiet):
 
 
 @click.command("inspect")
-@click.argument("packed", type=click.Path(file_okay=False))
+@click.argument("packed")
+@click.option("--revision", default=None, help="Hub revision when PACKED is a repo id.")
 @click.option("-k", "--experts-per-token", "k", type=int, default=None,
               help="K for the bytes-per-token figure (default: the model's).")
 @click.option("--json", "as_json", is_flag=True, help="Print as JSON.")
-def inspect_cmd(packed, k, as_json):
+def inspect_cmd(packed, revision, k, as_json):
     """Model, layers, experts, bits, record size, total size and bytes read per token.
 
     \b
     Example:
       moepack inspect ./q397-2bit -k 4
     """
+    from ..hub.pull import resolve_packed
     from ..verify import inspect
 
-    info = inspect(packed, k=k)
+    info = inspect(resolve_packed(packed, revision, progress=not as_json), k=k)
     if as_json:
         click.echo(json.dumps(info, indent=1))
         return
