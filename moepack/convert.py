@@ -237,8 +237,8 @@ def _transform(plan: LayerPlan, rec: np.ndarray, pending: dict, acc: _ErrAcc) ->
         if plan.experts.kind == "mlx":
             w, s, b = loaded
             sb = plan.experts.projs[proj].bits
-            arrs = requant.requantize_minmax(w, s, b, sb, tb, plan.group_size)
-            acc.add(proj, *requant.quant_error(w, s, b, sb, *arrs, tb, plan.group_size))
+            *arrs, err = requant.requantize_minmax_with_error(w, s, b, sb, tb, plan.group_size)
+            acc.add(proj, *err)
         else:
             f = loaded
             arrs = affine_fast.quantize(f, tb, plan.group_size)

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from moepack.errors import QuantizationError
+from moepack.quant import requant as requant_mod
 from moepack.quant import (
     bf16_to_f32,
     dequantize,
@@ -18,6 +19,8 @@ from moepack.quant import (
     requantize_minmax_ref,
     unpack,
 )
+from moepack.quant.affine_fast import _ECHUNK
+from moepack.quant.requant import requantize_minmax_with_error
 
 BITS = (2, 3, 4, 8)
 GROUP_SIZES = (32, 64, 128)
@@ -184,8 +187,19 @@ def test_fast_requant_matches_reference(src_bits):
                         np.testing.assert_array_equal(a, b, err_msg=ctx)
                     e_ref = quant_error_ref(*src, src_bits, *ref, dst_bits, group_size)
                     e_fast = quant_error(*src, src_bits, *fast, dst_bits, group_size)
-                    assert e_ref == e_fast, ctx
+                    _assert_error_matches(e_fast, e_ref, (src_bits, dst_bits), ctx)
                     assert type(e_fast[0]) is float and type(e_fast[1]) is float and type(e_fast[2]) is int
+
+
+def _assert_error_matches(fast, ref, bits, ctx=""):
+    """quant_error's result vs the reference: 4 vs 2 bits sums in another order (rel 1e-12),
+    everything else is bit for bit; max_abs and count are always exact."""
+    if sorted(bits) == [2, 4]:
+        assert fast[0] == pytest.approx(ref[0], rel=1e-12, abs=0.0), ctx
+        assert fast[1:] == ref[1:], ctx
+    else:
+        assert fast == ref, ctx
+    assert type(fast[0]) is float and type(fast[1]) is float and type(fast[2]) is int
 
 
 def test_quant_error_values():
@@ -200,6 +214,161 @@ def test_quant_error_values():
         assert sum_sq == pytest.approx(np.sum(d * d), rel=1e-12)
         assert max_abs == np.abs(d).max()
         assert fn(*b, 3, *a, 4, 64) == (sum_sq, max_abs, count)  # symmetric
+
+
+# ----------------------------------------------------------------------------- 4 vs 2 bits: pair histograms
+
+
+def test_worked_group_error_4_to_2():
+    # The worked 4 -> 2 group above: f = 0.5 q - 4, f2 = 2.5 q2 - 4, so d = 0.5 q - 2.5 q2:
+    #   q   0  1  2  3   4  5  6  7  8   9  10 11 12 13  14 15
+    #   q2  0  0  0  1   1  1  1  1  2   2  2  2  2  3   3  3
+    #   d   0 .5  1 -1 -.5  0 .5  1 -1 -.5  0 .5  1 -1 -.5  0
+    # sum d^2 = 4 * 1 + 6 * 0.25 + ... = 7.5 per 16 codes, 30 over the group; max |d| = 1.
+    src = (pack(np.tile(np.arange(16, dtype=np.uint8), 4)[None], 4), bf16([0.5]), bf16([-4.0]))
+    out = requantize_minmax(*src, 4, 2, 64)
+    assert quant_error_ref(*src, 4, *out, 2, 64) == (30.0, 1.0, 64)
+    assert quant_error(*src, 4, *out, 2, 64) == (30.0, 1.0, 64)
+    assert quant_error(*out, 2, *src, 4, 64) == (30.0, 1.0, 64)
+    *arrs, err = requantize_minmax_with_error(*src, 4, 2, 64)
+    assert err == (30.0, 1.0, 64)
+    for a, b in zip(arrs, out):
+        np.testing.assert_array_equal(a, b)
+
+
+def _scramble(rng, packed, fraction):
+    """A copy of 2-bit ``packed`` with about ``fraction`` of its words replaced by random ones: the
+    groups they fall in pair a 4-bit code with several 2-bit codes (the "mixed" path)."""
+    out = packed.copy()
+    hit = rng.random(out.shape) < fraction
+    out[hit] = rng.integers(0, 2**32, size=int(hit.sum()), dtype=np.uint32)
+    return out
+
+
+@pytest.mark.parametrize("group_size", GROUP_SIZES)
+def test_quant_error_4x2_matches_reference(group_size):
+    rng = np.random.default_rng(100 + group_size)
+    for shape in [(2, 3, 256), (7, 384), (1, 1, 2 * group_size)]:
+        sources = [_mixed_source(rng, shape, 4, group_size), _source(rng, shape, 4, group_size)]
+        for k, src in enumerate(sources):
+            two = requantize_minmax(*src, 4, 2, group_size)
+            others = [
+                two,  # a requant: every 4-bit code meets one 2-bit code
+                (_scramble(rng, two[0], 0.2), two[1], two[2]),  # some mixed groups
+                (rng.integers(0, 2**32, size=two[0].shape, dtype=np.uint32), two[1], two[2]),  # all mixed
+                _mixed_source(rng, shape, 2, group_size),  # unrelated codes and params
+            ]
+            for j, b in enumerate(others):
+                ctx = f"gs={group_size} shape={shape} source {k} other {j}"
+                ref = quant_error_ref(*src, 4, *b, 2, group_size)
+                fast = quant_error(*src, 4, *b, 2, group_size)
+                _assert_error_matches(fast, ref, (4, 2), ctx)
+                assert quant_error(*b, 2, *src, 4, group_size) == fast, ctx  # exactly symmetric
+
+
+def test_quant_error_4x2_many_chunks():
+    # more groups than one parallel work item (and not a multiple of it): the chunk sums
+    rng = np.random.default_rng(7)
+    src = _source(rng, (3, 65, 1024), 4, 64)
+    n_groups = 3 * 65 * 1024 // 64
+    assert n_groups > 2 * _ECHUNK and n_groups % _ECHUNK
+    two = requantize_minmax(*src, 4, 2, 64)
+    ref = quant_error_ref(*src, 4, *two, 2, 64)
+    _assert_error_matches(quant_error(*src, 4, *two, 2, 64), ref, (4, 2))
+    _assert_error_matches(requantize_minmax_with_error(*src, 4, 2, 64)[3], ref, (4, 2))
+
+
+@pytest.mark.parametrize("bits", BITS)
+def test_quant_error_identical_tensors(bits):
+    rng = np.random.default_rng(bits)
+    a = _mixed_source(rng, (3, 256), bits, 64)
+    assert quant_error(*a, bits, *a, bits, 64) == quant_error_ref(*a, bits, *a, bits, 64) == (0.0, 0.0, 768)
+    b = (a[0], a[1], a[2].copy())
+    b[2][1, 2] ^= 1  # one bias differs: the element-wise path, bit for bit with the reference
+    assert quant_error(*a, bits, *b, bits, 64) == quant_error_ref(*a, bits, *b, bits, 64)
+
+
+def test_quant_error_4x2_non_finite_falls_back():
+    # Scale 2^127 (bf16 0x7F00): codes 0 and 1 give 0 and 1.7e38, but code 15 would give inf. In
+    # row 0 no element has code 15, so every difference is finite, yet the histogram paths'
+    # empty bin 15 (0 * inf) makes their sum NaN: they hand over to the element-wise path. Row 1
+    # of the other 2-bit tensor is compared against code 15 itself: the true sum is inf.
+    codes = np.zeros((2, 64), np.uint8)
+    codes[0, 1::2] = 1
+    codes[1, 1::2] = 15
+    huge = np.array([[0x7F00], [0x7F00]], np.uint16)
+    zero = np.zeros((2, 1), np.uint16)
+    src = (pack(codes[:1], 4), huge[:1], zero[:1])
+    two = requantize_minmax(*src, 4, 2, 64)
+    generic = requant_mod._error_generic(src, 4, two, 2, 64) + (64,)
+    assert np.isfinite(generic[0]) and generic == quant_error_ref(*src, 4, *two, 2, 64)
+    assert quant_error(*src, 4, *two, 2, 64) == generic
+    assert requantize_minmax_with_error(*src, 4, 2, 64)[3] == generic
+
+    src = (pack(codes, 4), huge, zero)
+    other = (np.zeros((2, 4), np.uint32), bf16([1.0], [1.0]).reshape(2, 1), zero)
+    generic = requant_mod._error_generic(src, 4, other, 2, 64) + (128,)
+    assert generic[0] == np.inf
+    np.testing.assert_equal(quant_error(*src, 4, *other, 2, 64), generic)
+    with pytest.raises(QuantizationError, match="NaN or inf"):  # as quant_error on requantize_minmax's output
+        requantize_minmax_with_error(*src, 4, 2, 64)
+
+
+def test_quant_error_empty():
+    z = (np.zeros((0, 8), np.uint32), np.zeros((0, 1), np.uint16), np.zeros((0, 1), np.uint16))
+    z2 = (np.zeros((0, 4), np.uint32), z[1], z[2])
+    assert quant_error(*z, 4, *z2, 2, 64) == (0.0, 0.0, 0)
+    packed, scales, biases, err = requantize_minmax_with_error(*z, 4, 2, 64)
+    assert packed.shape == (0, 4) and scales.shape == biases.shape == (0, 1) and err == (0.0, 0.0, 0)
+
+
+# ----------------------------------------------------------------------------- requant + error in one pass
+
+
+@pytest.mark.parametrize("src_bits", BITS)
+def test_requantize_with_error_matches_separate_calls(src_bits):
+    rng = np.random.default_rng(200 + src_bits)
+    for shape in [(6, 128), (2, 3, 256)]:
+        for group_size in GROUP_SIZES:
+            if shape[-1] % group_size:
+                continue
+            for src in (_mixed_source(rng, shape, src_bits, group_size), _source(rng, shape, src_bits, group_size)):
+                for dst_bits in BITS:
+                    ctx = f"{src_bits}->{dst_bits} gs={group_size} shape={shape}"
+                    *arrs, err = requantize_minmax_with_error(*src, src_bits, dst_bits, group_size)
+                    sep = requantize_minmax(*src, src_bits, dst_bits, group_size)
+                    for a, b in zip(arrs, sep):
+                        assert a.dtype == b.dtype and a.shape == b.shape, ctx
+                        np.testing.assert_array_equal(a, b, err_msg=ctx)
+                    # the one-pass error is quant_error's, to the last bit (same bins, same order) ...
+                    assert err == quant_error(*src, src_bits, *sep, dst_bits, group_size), ctx
+                    # ... so the reference's to rounding
+                    ref = quant_error_ref(*src, src_bits, *sep, dst_bits, group_size)
+                    _assert_error_matches(err, ref, (src_bits, dst_bits), ctx)
+
+
+def test_requantize_with_error_non_contiguous():
+    rng = np.random.default_rng(9)
+    src = _source(rng, (4, 8, 256), 4, 64)
+    view = tuple(x[::2, :, :] for x in src)  # every other expert: not contiguous
+    copy = tuple(np.ascontiguousarray(x) for x in view)
+    *arrs, err = requantize_minmax_with_error(*view, 4, 2, 64)
+    *arrs_c, err_c = requantize_minmax_with_error(*copy, 4, 2, 64)
+    assert err == err_c == quant_error(*view, 4, *arrs, 2, 64)
+    for a, b in zip(arrs, arrs_c):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_requantize_with_error_validates():
+    src = quantize(np.zeros((2, 128), np.float32), 4, 64)
+    with pytest.raises(QuantizationError, match="bit width"):
+        requantize_minmax_with_error(*src, 4, 1, 64)
+    with pytest.raises(QuantizationError, match="group size"):
+        requantize_minmax_with_error(*src, 4, 2, 96)
+    bad = src[1].copy()
+    bad[0, 0] = 0x7F80  # inf scale
+    with pytest.raises(QuantizationError, match="NaN or inf"):
+        requantize_minmax_with_error(src[0], bad, src[2], 4, 2, 64)
 
 
 # ----------------------------------------------------------------------------- errors
