@@ -28,6 +28,7 @@ from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence, Union
 import numpy as np
 
 from ..errors import CorruptFileError, DiskSpaceError, OutputError, ShapeError, SourceError
+from ..layout.atomic import fsync_dir
 
 # safetensors dtype string -> (numpy dtype used to carry it, itemsize in bytes)
 DTYPES: dict[str, tuple[np.dtype, int]] = {
@@ -476,18 +477,5 @@ def write_safetensors(
                 os.unlink(tmp)
             except OSError:
                 pass
-    _fsync_dir(path.parent)
+    fsync_dir(path.parent)
     return path
-
-
-def _fsync_dir(folder: Path) -> None:
-    try:
-        fd = os.open(folder, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
