@@ -16,6 +16,7 @@ COMMANDS = {
     "verify": ("moepack.cli.verify_cmd", "verify_cmd"),
     "verify-rmse": ("moepack.cli.verify_cmd", "verify_rmse_cmd"),
     "inspect": ("moepack.cli.verify_cmd", "inspect_cmd"),
+    "eval": ("moepack.cli.eval_cmd", "eval_cmd"),
     "run": ("moepack.cli.run_cmd", "run_cmd"),
     "chat": ("moepack.cli.run_cmd", "chat_cmd"),
     "publish": ("moepack.cli.hub_cmd", "publish_cmd"),
