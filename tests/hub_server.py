@@ -784,3 +784,21 @@ def folder_files(folder) -> dict[str, bytes]:
         if p.is_file() and not any(part.startswith(".") for part in rel.parts):
             out[rel.as_posix()] = p.read_bytes()
     return out
+
+
+def _ok(r):
+    """A successful CLI run (see `cli`): exit 0, no traceback."""
+    assert r["code"] == 0, r
+    assert "Traceback" not in r["err"]
+    return r
+
+
+def _clean(r, *words):
+    """A failed run: non-zero, one `error:` line and a `hint:` line, no traceback, the words present."""
+    assert r["code"] not in (0, None) and not str(r["code"]).startswith("exception"), r
+    assert "Traceback" not in r["err"], r["err"]
+    lines = [ln for ln in r["err"].splitlines() if ln.startswith(("error: ", "hint: "))]
+    assert [ln.split(":")[0] for ln in lines] == ["error", "hint"], r["err"]
+    for w in words:
+        assert w in lines[0], (w, lines[0])
+    return lines[0]

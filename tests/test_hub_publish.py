@@ -13,7 +13,7 @@ import shutil
 
 import pytest
 
-from hub_server import TOKEN, HubServer, cli, folder_files, hub_env, run_calls
+from hub_server import _clean, _ok, TOKEN, HubServer, cli, folder_files, hub_env, run_calls
 from moepack.convert import convert
 from moepack.layout.constants import MANIFEST_NAME
 from moepack.testing.fixtures import write_mlx_checkpoint
@@ -41,21 +41,6 @@ def hub():
         yield h
 
 
-def _clean(r, *words):
-    """A failed run: non-zero, one `error:` line and a `hint:` line, no traceback, the words present."""
-    assert r["code"] not in (0, None) and not str(r["code"]).startswith("exception"), r
-    assert "Traceback" not in r["err"], r["err"]
-    lines = [ln for ln in r["err"].splitlines() if ln.startswith(("error: ", "hint: "))]
-    assert [ln.split(":")[0] for ln in lines] == ["error", "hint"], r["err"]
-    for w in words:
-        assert w in lines[0], (w, lines[0])
-    return lines[0]
-
-
-def _ok(r):
-    assert r["code"] == 0, r
-    assert "Traceback" not in r["err"]
-    return r
 
 
 def _no_token_leak(results):

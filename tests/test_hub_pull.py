@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from hub_server import HubServer, cli, folder_files, hub_env, run_calls
+from hub_server import _clean, _ok, HubServer, cli, folder_files, hub_env, run_calls
 from moepack.convert import convert
 from moepack.errors import CorruptFileError
 from moepack.hub import HubError
@@ -40,20 +40,6 @@ def hub(built):
         yield h
 
 
-def _ok(r):
-    assert r["code"] == 0, r
-    assert "Traceback" not in r["err"]
-    return r
-
-
-def _clean(r, *words):
-    assert r["code"] not in (0, None) and not str(r["code"]).startswith("exception"), r
-    assert "Traceback" not in r["err"], r["err"]
-    lines = [ln for ln in r["err"].splitlines() if ln.startswith(("error: ", "hint: "))]
-    assert [ln.split(":")[0] for ln in lines] == ["error", "hint"], r["err"]
-    for w in words:
-        assert w in lines[0], (w, lines[0])
-    return lines[0]
 
 
 def _path(r) -> Path:

@@ -51,19 +51,7 @@ from numba import njit, prange
 
 from ..errors import ShapeError
 from ..quant.affine_ref import check_bits, check_group_size
-
-__all__ = [
-    "qmatmul",
-    "expert_ffn",
-    "rmsnorm",
-    "gated_rmsnorm",
-    "rope",
-    "attention",
-    "conv1d_step",
-    "gated_delta",
-    "router_topk",
-    "qembedding",
-]
+from .kernels_ref import __all__  # noqa: F401  the kernel contract: the same names as the reference
 
 # error_model="numpy": no Python-style ZeroDivisionError checks, which would block vectorisation.
 _JIT = dict(cache=True, nogil=True, error_model="numpy")
