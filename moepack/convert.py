@@ -19,6 +19,7 @@ import numpy as np
 
 from . import __version__
 from .archs import architecture_for_config
+from .convert_stream import cached_source_stats, remove_staging, run_streaming
 from .archs.base import PARTS, PROJS
 from .errors import DiskSpaceError, MoepackError, OutputError, QuantizationError
 from .layout.atomic import fsync_dir, write_json_atomic
@@ -112,7 +113,7 @@ def _source_identity(ckpt) -> dict:
 
 
 def _fingerprint(ckpt, source, plans, kind) -> dict:
-    files = [[s, os.path.getsize(Path(ckpt.path) / s)] for s in ckpt.shards]
+    files = [[s, ckpt.shard_size(s)] for s in ckpt.shards]
     return {"format_version": FORMAT_VERSION, "source": source, "source_files": files, "kind": kind,
             "layers": {str(p.experts.layer): [p.layout.key, p.method] for p in plans}}
 
@@ -137,6 +138,14 @@ def _prepare_output(out: Path, fingerprint: dict, force: bool) -> dict:
         if state and state.get("fingerprint") == fingerprint and not (out / MANIFEST_NAME).exists():
             return state
         if not force:
+            old_src = (state or {}).get("fingerprint", {}).get("source", {})
+            new_src = fingerprint["source"]
+            if (old_src.get("type") == new_src["type"] == "hub" and old_src.get("repo_id") == new_src["repo_id"]
+                    and old_src.get("revision") != new_src["revision"] and old_src.get("revision")):
+                raise OutputError(f"{out} holds an unfinished conversion of {new_src['repo_id']} at commit "
+                                  f"{old_src['revision'][:12]}, but the revision now resolves to "
+                                  f"{str(new_src['revision'])[:12]}",
+                                  hint=f"pass --revision {old_src['revision']} to finish it, or --force to start over")
             if state:
                 raise OutputError(f"{out} holds an unfinished conversion with other settings (source or bits differ)",
                                   hint="re-run with the same arguments to resume it, or pass --force to start over")
@@ -362,19 +371,29 @@ def _copy_aux(ckpt, out: Path, config_override: dict | None) -> list[FileEntry]:
 
 def convert(src: str, out: str | os.PathLike, *, bits: int | None = None, layer_bits: str | dict | None = None,
             workers: int | None = None, force: bool = False, revision: str | None = None, group_size: int = 64,
-            progress: bool = True) -> Manifest:
-    """Pack `src` (folder or hub repo id) into `out`. Re-running after an interruption resumes."""
+            delete_source: bool = False, progress: bool = True, stats: dict | None = None) -> Manifest:
+    """Pack `src` (folder or hub repo id) into `out`. Re-running after an interruption resumes.
+
+    A hub repo is streamed (see :mod:`moepack.source.hub_stream`): shard headers first, then each shard is
+    downloaded when the next layer needs it; with `delete_source` each shard is deleted from the hub cache once
+    everything read from it is packed. `stats`, when given a dict, receives what the source side did
+    (shards downloaded / reused / deleted, peak source bytes on disk; `{}` for a local folder).
+    """
     out = Path(out)
     lb = layer_bits if isinstance(layer_bits, dict) else parse_layer_bits(layer_bits)
     workers = max(1, workers or os.cpu_count() or 1)
-    ckpt = open_checkpoint(src, revision=revision)
+    if delete_source and Path(os.fspath(src)).expanduser().exists():
+        raise MoepackError(f"--delete-source only applies to a hub repo id; {src} is a local folder",
+                           hint="moepack never deletes your own files: leave out --delete-source, and remove "
+                                "the source yourself once the conversion has finished")
+    ckpt = open_checkpoint(src, revision=revision, stream=True)
     try:
-        return _convert(ckpt, out, bits, lb, workers, force, group_size, progress)
+        return _convert(ckpt, out, bits, lb, workers, force, group_size, progress, delete_source, stats)
     finally:
         ckpt.close()
 
 
-def _convert(ckpt, out, bits, lb, workers, force, group_size, progress) -> Manifest:
+def _convert(ckpt, out, bits, lb, workers, force, group_size, progress, delete_source=False, stats=None) -> Manifest:
     arch, shape, kind, plans = plan_conversion(ckpt, bits, lb, group_size)
     if kind == "mlx":
         is_expert = lambda n: arch.expert_layer_of(n) is not None  # noqa: E731
@@ -396,35 +415,47 @@ def _convert(ckpt, out, bits, lb, workers, force, group_size, progress) -> Manif
 
     needed = sum(p.layout.record_size * E for p in plans if str(p.experts.layer) not in state["layers"])
     needed += sum(t.nbytes for t in dense) + sum(Path(f).stat().st_size for f in ckpt.aux_files)
-    _check_disk(out, needed)
+    streaming = getattr(ckpt, "streaming", False)
+    if not streaming:
+        _check_disk(out, needed)
     (out / EXPERTS_DIR).mkdir(exist_ok=True)
     _save_state(out, state)
+    pending = [p for p in plans if not (state["layers"].get(str(p.experts.layer))
+                                        and _layer_still_good(out, p, state["layers"][str(p.experts.layer)], E))]
 
-    reader = FileReader()
-    total = sum(p.experts.source_bytes(E) for p in plans)
-    try:
-        with ThreadPoolExecutor(max_workers=workers) as pool, \
-                progress_bar(f"packing {len(plans)} layers", total, enabled=progress) as bar:
-            for i, plan in enumerate(plans):
-                key = str(plan.experts.layer)
-                bar.describe(f"layer {i + 1}/{len(plans)}")
-                done = state["layers"].get(key)
-                if done and _layer_still_good(out, plan, done, E):
-                    bar.advance(plan.experts.source_bytes(E))
-                    continue
-                checksums, rmse_row = _convert_layer(plan, out, E, reader, pool, bar, depth=max(2, workers))
-                state["layers"][key] = {"file": plan.file, "checksums": checksums, "rmse": rmse_row}
-                _save_state(out, state)
-    finally:
-        reader.close()
+    todo = {p.experts.layer for p in pending}
+
+    def pack(plan: LayerPlan, reader: FileReader, pool, bar) -> None:
+        checksums, rmse_row = _convert_layer(plan, out, E, reader, pool, bar, depth=max(2, workers))
+        state["layers"][str(plan.experts.layer)] = {"file": plan.file, "checksums": checksums, "rmse": rmse_row}
+        _save_state(out, state)
+
+    source_stats = None
+    if streaming:
+        source_stats = run_streaming(ckpt, out, state, plans, pending, pack, E, workers, needed, kind, is_expert,
+                                     _dense_done(out, state), delete_source, progress, _save_state)
+    else:
+        reader = FileReader()
+        total = sum(p.experts.source_bytes(E) for p in plans)
+        try:
+            with ThreadPoolExecutor(max_workers=workers) as pool, \
+                    progress_bar(f"packing {len(plans)} layers", total, enabled=progress) as bar:
+                for i, plan in enumerate(plans):
+                    bar.describe(f"layer {i + 1}/{len(plans)}")
+                    if plan.experts.layer not in todo:
+                        bar.advance(plan.experts.source_bytes(E))
+                        continue
+                    pack(plan, reader, pool, bar)
+        finally:
+            reader.close()
 
     dense_entries = [FileEntry(**f) for f in state.get("dense", [])]
-    if not dense_entries or not all((out / f.name).is_file() and (out / f.name).stat().st_size == f.size
-                                    for f in dense_entries):
+    if not _dense_done(out, state):
         dense_entries = _write_dense(out, dense)
         state["dense"] = [f.to_json() for f in dense_entries]
         _save_state(out, state)
     aux_entries = _copy_aux(ckpt, out, config_out)
+    remove_staging(out)  # dense copies of dropped shards (a hub source with --delete-source), now written
 
     layouts = {p.layout.key: p.layout for p in plans}
     requantized = any(p.method != "repack" for p in plans)
@@ -455,4 +486,15 @@ def _convert(ckpt, out, bits, lb, workers, force, group_size, progress) -> Manif
     save_manifest(out, manifest)
     os.unlink(out / STATE_NAME)
     fsync_dir(out)
+    if getattr(ckpt, "repo_id", None) and not streaming:  # from the hub cache (offline): all shards were there
+        source_stats = cached_source_stats(ckpt, delete_source)
+    if stats is not None:
+        stats.clear()
+        stats.update(source_stats.to_json() if source_stats is not None else {})
     return manifest
+
+
+def _dense_done(out: Path, state: dict) -> bool:
+    entries = [FileEntry(**f) for f in state.get("dense", [])]
+    return bool(entries) and all((out / f.name).is_file() and (out / f.name).stat().st_size == f.size
+                                 for f in entries)

@@ -2,7 +2,9 @@
 
 ``open_checkpoint(src)`` accepts a local folder or a hub repo id (``org/name``). Repos are fetched with
 ``huggingface_hub.snapshot_download`` (weights, config, tokenizer and chat-template files only), which also works
-offline from the hub cache (``HF_HUB_OFFLINE=1``).
+offline from the hub cache (``HF_HUB_OFFLINE=1``); with ``stream=True`` (what ``moepack convert`` uses) only the
+small files and the shard headers are fetched up front and shards are downloaded when needed
+(:mod:`moepack.source.hub_stream`).
 
 Tensors are found through ``model.safetensors.index.json`` when present, otherwise through the ``*.safetensors``
 files in the folder (``model*.safetensors`` when there are any, as mlx-lm does). Shard headers are parsed and
@@ -12,6 +14,7 @@ them all up front, so a damaged or incomplete download is reported before any wo
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -57,11 +60,15 @@ _REPO_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9._-]+$")
 _COMMIT = re.compile(r"^[0-9a-f]{40}$")
 
 
-def open_checkpoint(src: str | os.PathLike, revision: str | None = None, *, validate: bool = True) -> "Checkpoint":
+def open_checkpoint(src: str | os.PathLike, revision: str | None = None, *, validate: bool = True,
+                    stream: bool = False) -> "Checkpoint":
     """Open a checkpoint from a local folder or a hub repo id (``org/name``, when no such path exists).
 
     ``revision`` (branch, tag or commit) only applies to hub repos. With ``validate`` (the default) every shard
-    header is read and cross-checked against the index before returning.
+    header is read and cross-checked against the index before returning. With ``stream``, a hub repo (when the
+    hub can be reached, i.e. not HF_HUB_OFFLINE=1) is opened without downloading its shards: only the small files
+    and the shard headers are fetched, and :meth:`~moepack.source.hub_stream.StreamingCheckpoint.fetch` downloads
+    a shard when it is needed (see :mod:`moepack.source.hub_stream`).
     """
     text = os.fspath(src)
     path = Path(text).expanduser()
@@ -73,8 +80,14 @@ def open_checkpoint(src: str | os.PathLike, revision: str | None = None, *, vali
             )
         ckpt = Checkpoint(path)
     elif _REPO_ID.match(text) and ".." not in text:
-        folder, commit = _download(text, revision)
-        ckpt = Checkpoint(folder, repo_id=text, revision=commit)
+        ckpt = None
+        if stream:
+            from .hub_stream import open_streaming
+
+            ckpt = open_streaming(text, revision)  # None when offline: the cache path below, as without stream
+        if ckpt is None:
+            folder, commit = _download(text, revision)
+            ckpt = Checkpoint(folder, repo_id=text, revision=commit)
     else:
         raise SourceError(
             f"{text}: no such folder, and not a hub repo id of the form org/name",
@@ -91,27 +104,40 @@ def open_checkpoint(src: str | os.PathLike, revision: str | None = None, *, vali
 
 def _download(repo_id: str, revision: str | None) -> tuple[Path, str | None]:
     try:
-        import huggingface_hub
-        from huggingface_hub import constants, snapshot_download
-        from huggingface_hub.errors import (
-            GatedRepoError,
-            HfHubHTTPError,
-            LocalEntryNotFoundError,
-            RepositoryNotFoundError,
-            RevisionNotFoundError,
-        )
+        from huggingface_hub import snapshot_download
     except ImportError:  # pragma: no cover - a declared dependency
         raise SourceError(
             f"{repo_id}: not a local folder, and huggingface_hub is not installed to fetch it",
             "pip install huggingface_hub, or pass a local folder",
         ) from None
+    with hub_errors(repo_id, revision):
+        folder = snapshot_download(repo_id, revision=revision, allow_patterns=HUB_ALLOW_PATTERNS)
+    folder = Path(folder)
+    commit = folder.name if _COMMIT.match(folder.name) else None
+    return folder, commit
+
+
+@contextlib.contextmanager
+def hub_errors(repo_id: str, revision: str | None, what: str = "download"):
+    """Turn what huggingface_hub raises while fetching from ``repo_id`` into one-line moepack errors."""
+    import huggingface_hub
+    from huggingface_hub import constants
+    from ..hub import transport_errors
+    from huggingface_hub.errors import (
+        GatedRepoError,
+        HfHubHTTPError,
+        LocalEntryNotFoundError,
+        RepositoryNotFoundError,
+        RevisionNotFoundError,
+    )
+
     incomplete_error = getattr(huggingface_hub.errors, "IncompleteSnapshotError", None)
     rev = revision or "main"
     at = f"{repo_id}@{rev}"
     offline = bool(getattr(constants, "HF_HUB_OFFLINE", False))
     cache = getattr(constants, "HF_HUB_CACHE", None)
     try:
-        folder = snapshot_download(repo_id, revision=revision, allow_patterns=HUB_ALLOW_PATTERNS)
+        yield
     except GatedRepoError:
         raise SourceError(
             f"hub repo {repo_id} is gated: you have not been granted access",
@@ -146,25 +172,34 @@ def _download(repo_id: str, revision: str | None) -> tuple[Path, str | None]:
         ) from None
     except HfHubHTTPError as e:
         raise SourceError(
-            f"hub repo {at}: download failed ({_one_line(e)})",
-            "check your network connection and retry; downloads resume where they stopped",
+            f"hub repo {at}: {what} failed ({_one_line(e)})",
+            "check your network connection and retry; a conversion resumes where it stopped",
+        ) from None
+    except transport_errors() as e:
+        raise SourceError(
+            f"hub repo {at}: the Hub cannot be reached ({_one_line(e)})",
+            "check your network connection (or proxy / HF_ENDPOINT) and retry; a conversion resumes where it stopped",
         ) from None
     except OSError as e:
         if getattr(e, "errno", None) == 28:  # ENOSPC
             raise DiskSpaceError(f"hub repo {at}: disk full while downloading into {cache}") from None
+        if "Consistency check failed" in str(e):  # huggingface_hub: the body had another size than announced
+            raise CorruptFileError(
+                f"hub repo {at}: {what} failed: the file arrived with the wrong size ({_one_line(e)})",
+                "re-run the same command: the file is downloaded again (nothing damaged was kept)",
+            ) from None
         raise SourceError(
-            f"hub repo {at}: download failed ({_one_line(e)})",
+            f"hub repo {at}: {what} failed ({_one_line(e)})",
             "check your network connection and the hub cache folder, then retry",
         ) from None
     except ValueError as e:  # invalid repo id / revision string
         raise SourceError(f"{repo_id}: not a valid hub repo id ({_one_line(e)})") from None
-    folder = Path(folder)
-    commit = folder.name if _COMMIT.match(folder.name) else None
-    return folder, commit
 
 
 def _one_line(e: BaseException) -> str:
-    text = str(e).strip().splitlines()
+    text = [line.strip() for line in str(e).strip().splitlines() if line.strip()]
+    if len(text) > 1 and text[0].endswith(":"):  # "Bad request:" then the server's message on the next line
+        text[0] = f"{text[0]} {text[1]}"
     return f"{type(e).__name__}: {text[0]}" if text else type(e).__name__
 
 
@@ -239,7 +274,7 @@ class Checkpoint:
             p = PurePosixPath(shard)
             if p.is_absolute() or ".." in p.parts or not shard.endswith(".safetensors"):
                 raise CorruptFileError(f"{index_path}: shard name {shard!r} is not a .safetensors file in the folder")
-        missing = [s for s in shards if not (self.path / s).is_file()]
+        missing = [s for s in shards if not self._shard_exists(s)]
         if missing:
             more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
             raise SourceError(
@@ -250,8 +285,18 @@ class Checkpoint:
         self.shards: list[str] = shards
         self._where = dict(weight_map)
 
+    # hooks a checkpoint whose shards are not all on disk yet (moepack.source.hub_stream) overrides
+    def _shard_exists(self, shard: str) -> bool:
+        return (self.path / shard).is_file()
+
+    def _safetensors_names(self) -> list[str]:
+        return sorted(p.name for p in self.path.glob("*.safetensors") if p.is_file())
+
+    def _new_shard_file(self, shard: str) -> SafetensorsFile:
+        return SafetensorsFile(self.path / shard)
+
     def _from_files(self) -> None:
-        files = sorted(p.name for p in self.path.glob("*.safetensors") if p.is_file())
+        files = self._safetensors_names()
         model_files = [f for f in files if f.startswith("model")]
         shards = model_files or files
         if not shards:
@@ -281,7 +326,7 @@ class Checkpoint:
             sf = self._files.get(shard)
             if sf is not None:
                 return sf
-            sf = SafetensorsFile(self.path / shard)
+            sf = self._new_shard_file(shard)
             if check_index and self.index is not None:
                 absent = [n for n in self._shard_tensors.get(shard, ()) if n not in sf.tensors]
                 if absent:
@@ -350,6 +395,16 @@ class Checkpoint:
                 if p.is_file():
                     found.setdefault(p.name, p)
         return [found[n] for n in sorted(found)]
+
+    def shard_size(self, shard: str) -> int:
+        """``shard``'s size in bytes."""
+        return os.path.getsize(self.path / shard)
+
+    def release_shard(self, shard: str) -> None:
+        """Close ``shard``'s file descriptor (its header stays known; a later read opens the file again)."""
+        sf = self._files.get(shard)
+        if sf is not None:
+            sf.close()
 
     def close(self) -> None:
         with self._lock:
