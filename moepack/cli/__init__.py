@@ -21,6 +21,7 @@ COMMANDS = {
     "chat": ("moepack.cli.run_cmd", "chat_cmd"),
     "publish": ("moepack.cli.hub_cmd", "publish_cmd"),
     "pull": ("moepack.cli.hub_cmd", "pull_cmd"),
+    "selftest": ("moepack.cli.selftest_cmd", "selftest_cmd"),
 }
 
 

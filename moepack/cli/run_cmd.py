@@ -11,7 +11,7 @@ import warnings
 
 import click
 
-_BACKENDS = ("auto", "cpu", "numpy")
+_BACKENDS = ("auto", "cpu", "numpy", "metal-emu", "cuda", "metal")
 _IO = ("pread", "direct", "mmap")
 
 
@@ -32,7 +32,10 @@ def _model_options(f):
                      help="Routed experts per token (default: the model's). Fewer read less from the SSD; "
                           "output collapses at K <= 3."),
         click.option("--backend", type=click.Choice(_BACKENDS), default="auto", show_default=True,
-                     help="cpu: numba kernels; numpy: the reference; auto: cpu when numba works."),
+                     help="cpu: numba kernels; numpy: the reference; auto: cpu when numba works; metal: the "
+                          "metal/*.metal kernels on Apple silicon; cuda: the same kernels as PTX on an NVIDIA "
+                          "GPU (needs cupy); metal-emu: the same kernels in the CPU emulator (slow: for "
+                          "verification, tiny models)."),
         click.option("--io", type=click.Choice(_IO), default="pread", show_default=True,
                      help="How experts are read: pread (through the page cache), direct (bypass it: cold-read "
                           "benchmarks), mmap (for comparison)."),

@@ -32,7 +32,7 @@ from ..errors import MoepackError
 from .sampling import check_sampling, make_sampler
 from .session import Session, open_session
 
-BACKEND_CHOICES = ("auto", "cpu", "numpy")
+BACKEND_CHOICES = ("auto", "cpu", "numpy", "metal-emu", "cuda", "metal")
 MIN_SAFE_K = 4  # seed notes: every layer needs K >= 4; K = 2-3 collapses output
 PREFILL_CHUNK = 512  # prompt tokens per forward call: bounds the [T, vocab] logits and attention scores
 
@@ -67,8 +67,8 @@ def peak_rss_bytes() -> int:
 def resolve_backend(backend: str) -> str:
     """CLI backend name -> model backend: 'cpu' is the numba fast path, 'numpy' the reference, 'auto' numba
     when it imports and runs, else numpy."""
-    if backend == "numpy":
-        return "numpy"
+    if backend in ("numpy", "metal-emu", "cuda", "metal"):  # the GPU executors check themselves when made
+        return backend
     if backend not in ("auto", "cpu", "numba"):
         raise MoepackError(f"unknown backend {backend!r}", hint=f"use one of {', '.join(BACKEND_CHOICES)}")
     try:

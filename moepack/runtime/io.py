@@ -95,6 +95,12 @@ class Pending:
             self._result = {e: pm.expert_arrays(self.layer, rec) for e, rec in zip(self.experts, self._records)}
         return self._result
 
+    def records(self) -> dict[int, np.ndarray]:
+        """{expert_id: the raw record bytes (uint8, inside a 2 MiB-aligned buffer)} after wait(); same lifetime
+        as wait()'s views. GPU backends hand these to their kernels whole (no copy on unified memory)."""
+        self.wait()
+        return dict(zip(self.experts, self._records))
+
 
 class ExpertReader:
     """Reads expert records of a :class:`PackedModel` (see the module docstring for modes and buffer lifetime)."""

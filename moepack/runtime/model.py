@@ -35,8 +35,17 @@ KERNELS = ("qmatmul", "expert_ffn", "rmsnorm", "gated_rmsnorm", "rope", "attenti
            "gated_delta", "router_topk", "qembedding")
 
 
+GPU_BACKENDS = ("metal-emu", "cuda", "metal")  # the metal/*.metal kernels on one of their executors
+
+
 def load_kernels(backend: str) -> ModuleType:
-    """The kernel module of `backend` ('numpy' -> kernels_ref, 'numba' -> kernels_numba), imported lazily."""
+    """The kernel module of `backend` ('numpy' -> kernels_ref, 'numba' -> kernels_numba), imported lazily;
+    'metal-emu' / 'cuda' / 'metal': a GpuKernels object (same functions) over that executor."""
+    if backend in GPU_BACKENDS:
+        from .metal.executors import make_executor
+        from .metal.backend import GpuKernels
+
+        return GpuKernels(make_executor(backend))  # type: ignore[return-value]
     mod = BACKENDS.get(backend)
     if mod is None:
         raise MoepackError(f"unknown backend {backend!r}", hint=f"use one of {', '.join(BACKENDS)}")

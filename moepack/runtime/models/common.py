@@ -127,6 +127,10 @@ class Ctx:
 # ------------------------------------------------------------------------------------------------ small pieces
 
 
+def _no_mark(layer, phase) -> None:
+    """Kernel modules without launch-plan phases (kernels_ref, kernels_numba) get this."""
+
+
 def sigmoid(x: np.ndarray) -> np.ndarray:
     with np.errstate(over="ignore"):
         return np.float32(1) / (np.float32(1) + np.exp(-x))
@@ -292,6 +296,8 @@ class MoeBlock:
         K = ctx.K
         T, D = x.shape
         times = ctx.layer_times(layer)
+        mark = getattr(K, "mark", _no_mark)  # launch-plan phases (GPU backends); a no-op on the CPU
+        mark(layer, "routing")
         logits = apply_linear(K, x, self.router)  # [T, E]
         idx, w = K.router_topk(logits, ctx.top_k, self.norm_topk_prob)  # [T, k] int32, [T, k] f32
         experts = np.unique(idx)  # each needed expert once, ascending
@@ -300,6 +306,7 @@ class MoeBlock:
         reader = ctx.reader
         wait0 = reader.stats.wait_s
         pending = reader.submit(self.layer, batches[0], slot=0)
+        mark(layer, "experts")
 
         y = np.zeros((T, D), dtype=np.float32)
         if self.shared is not None:  # runs while the expert reads are in flight
@@ -307,12 +314,20 @@ class MoeBlock:
             y += gate * self.shared(K, x)
 
         gs, bits = self.group_size, self.bits
+        # GPU backends take each expert's raw record whole (the kernels read components at their offsets)
+        ffn_record = getattr(K, "expert_ffn_record", None)
+        layout = reader.packed.layout(self.layer)
         for bi, batch in enumerate(batches):
             arrays = pending.wait()
+            raw = pending.records() if ffn_record is not None else None
             if bi + 1 < len(batches):
                 pending = reader.submit(self.layer, batches[bi + 1], slot=(bi + 1) % 2)
             for e in batch:
                 rows, slots = np.nonzero(idx == e)  # tokens routed to e (each at most once)
+                if raw is not None:
+                    out = ffn_record(x[rows], raw[int(e)], layout)  # [n, D]
+                    y[rows] += w[rows, slots][:, None] * out
+                    continue
                 a = arrays[int(e)]
                 out = K.expert_ffn(x[rows], a["gate.weight"], a["gate.scales"], a["gate.biases"],
                                    a["up.weight"], a["up.scales"], a["up.biases"],
@@ -359,16 +374,21 @@ class DecoderModel:
         K, eps = ctx.K, self.args.rms_norm_eps
         T = ids.shape[0]
         positions = np.arange(cache.offset, cache.offset + T, dtype=np.int64)  # [T]
+        mark = getattr(K, "mark", _no_mark)
+        mark(None, "embed")
         h = embed(K, ids, self.embed_tokens)  # [T, D]
         for i, layer in enumerate(self.layers):
             times = ctx.layer_times(i)
             t0 = time.perf_counter()
+            mark(i, "attention")
             h = h + layer.mixer(K, K.rmsnorm(h, layer.input_norm, eps), cache.layers[i], positions)
             t1 = time.perf_counter()
+            mark(i, "routing" if isinstance(layer.mlp, MoeBlock) else "mlp")
             h = h + layer.mlp(ctx, K.rmsnorm(h, layer.post_norm, eps), i)
             times.attn_s += t1 - t0
             times.moe_s += time.perf_counter() - t1
         cache.offset += T
+        mark(None, "head")
         return apply_linear(K, K.rmsnorm(h, self.norm, eps), self.lm_head)  # [T, V]
 
 

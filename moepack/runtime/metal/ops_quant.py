@@ -1,0 +1,392 @@
+"""Launch builders for `metal/quant.metal`: quantized matvec, fused gate/up + SwiGLU, embedding, MoE combine.
+
+Each op has a `<op>_dispatch(...)` that checks its inputs and returns the Dispatch list (output arrays
+allocated, or the caller's `out`), and a convenience `<op>(executor, ...)` that runs it and returns the
+result. `qmatmul`, `expert_ffn` and `qembedding` take the arguments of the functions of the same names in
+`moepack.runtime.kernels_ref` (the spec they are tested against), with the executor first. Routed experts
+come as one raw record (uint8, as pread reads it) plus its `RecordLayout`: `expert_ffn_record`.
+
+Shape legend: T tokens, in/out a projection's input/output widths, D hidden, I expert intermediate,
+K experts per token, V vocabulary, gs group size. bf16 arrays are uint16 bit patterns.
+
+The geometry constants below mirror the `#define`s of quant.metal (the tests read the file and compare).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ...errors import QuantizationError, ShapeError
+from ...layout.record import RecordLayout
+from ...quant.affine_ref import SUPPORTED_GROUP_SIZES
+from .dispatch import Dispatch, Executor
+
+SOURCE = "quant.metal"
+KERNEL_BITS = (2, 4, 8)  # bit widths with kernels (3-bit codes straddle words: not on this backend)
+
+QMV_SG = 8  # simdgroups per threadgroup
+QMV_KSPLIT = 2  # simdgroups sharing one block of rows (each takes every QMV_KSPLIT-th step of the inputs)
+QMV_ROWS = 4  # output rows per simdgroup
+QMV_VPT = 16  # consecutive inputs per lane per step
+QMV_XCHUNK = 2048  # floats of x staged in threadgroup memory at a time
+QEMB_TG = 64  # threads per threadgroup of qembed
+QCOMB_TG = 256  # threads per threadgroup of moe_combine
+
+QMV_RB = QMV_SG // QMV_KSPLIT  # row blocks per threadgroup
+ROWS_PER_GROUP = QMV_RB * QMV_ROWS  # output rows per threadgroup of qmv / gate_up
+_U32 = 1 << 32
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+# ------------------------------------------------------------------------------------------- checks
+
+
+def _bits(bits) -> int:
+    if isinstance(bits, bool) or not isinstance(bits, (int, np.integer)) or int(bits) not in KERNEL_BITS:
+        raise QuantizationError(
+            f"the Metal kernels take {KERNEL_BITS}-bit weights, not {bits!r}",
+            hint="3-bit models run on the CPU backend (--backend numba)" if bits == 3 else None,
+        )
+    return int(bits)
+
+
+def _group_size(gs, in_dim: int, name: str) -> int:
+    if isinstance(gs, bool) or not isinstance(gs, (int, np.integer)) or int(gs) not in SUPPORTED_GROUP_SIZES:
+        raise QuantizationError(f"{name}: unsupported group size {gs!r}: expected one of {SUPPORTED_GROUP_SIZES}")
+    if in_dim % int(gs):
+        raise QuantizationError(f"{name}: group size {gs} does not divide the input width {in_dim}")
+    return int(gs)
+
+
+def _act(x, name: str, ndim: int = 2) -> np.ndarray:
+    """A float activation as a C-contiguous float32 array (no copy when it already is one)."""
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    if x.ndim != ndim:
+        raise ShapeError(f"{name} must be a {ndim}-D float array, got shape {x.shape}",
+                         hint="see the shape legend of moepack.runtime.metal.ops_quant")
+    return x
+
+
+def _qtensor(w, scales, biases, bits: int, gs: int, in_dim: int, name: str):
+    """One dense quantized matrix checked against its input width; returns contiguous (w, scales, biases)."""
+    w, scales, biases = np.asarray(w), np.asarray(scales), np.asarray(biases)
+    if w.dtype != np.uint32 or w.ndim != 2:
+        raise ShapeError(f"{name}: packed weights must be uint32 [out, words], got {w.dtype} {w.shape}")
+    for part, a in (("scales", scales), ("biases", biases)):
+        if a.dtype != np.uint16:
+            raise ShapeError(f"{name}: {part} must be uint16 bf16 bit patterns, got {a.dtype}",
+                             hint="view bf16 tensors as np.uint16")
+    if w.shape[1] * 32 != in_dim * bits:
+        raise ShapeError(f"{name}: {w.shape[1]} words per row do not hold {in_dim} {bits}-bit codes "
+                         f"(expected {in_dim * bits // 32})")
+    gs = _group_size(gs, in_dim, name)
+    for part, a in (("scales", scales), ("biases", biases)):
+        if a.shape != (w.shape[0], in_dim // gs):
+            raise ShapeError(f"{name}: {part} have shape {a.shape}, expected {(w.shape[0], in_dim // gs)}")
+    return np.ascontiguousarray(w), np.ascontiguousarray(scales), np.ascontiguousarray(biases)
+
+
+def _out(out, shape: tuple[int, ...], name: str, offset: int = 0) -> np.ndarray:
+    """The caller's output buffer (float32, C-contiguous, room for `offset` + prod(shape)) or a new one."""
+    if out is None:
+        if offset:
+            raise ShapeError(f"{name}: an output offset needs an output buffer (out=)")
+        return np.empty(shape, dtype=np.float32)
+    if not isinstance(out, np.ndarray) or out.dtype != np.float32 or not out.flags.c_contiguous:
+        raise ShapeError(f"{name}: out must be a C-contiguous float32 array")
+    if out.size < offset + int(np.prod(shape)):
+        raise ShapeError(f"{name}: out holds {out.size} floats, needs {offset + int(np.prod(shape))}")
+    return out
+
+
+def _record(record, layout: RecordLayout) -> np.ndarray:
+    record = np.asarray(record)
+    if record.dtype != np.uint8 or record.ndim != 1 or not record.flags.c_contiguous:
+        raise ShapeError(f"an expert record must be a 1-D contiguous uint8 array, got {record.dtype} {record.shape}",
+                         hint="pass the bytes exactly as PackedReader.read_record returns them")
+    if record.size < layout.payload_size:
+        raise ShapeError(f"expert record of {record.size} bytes is shorter than its layout's {layout.payload_size}")
+    if layout.payload_size >= _U32:
+        raise ShapeError(f"expert record of {layout.payload_size} bytes: offsets do not fit the kernels' uint")
+    return record
+
+
+def _proj(layout: RecordLayout, proj: str):
+    """(weight, scales, biases) components of one projection, their bits, group size, out and in widths."""
+    cw, cs, cb = (layout.component(f"{proj}.{part}") for part in ("weight", "scales", "biases"))
+    bits = _bits(cw.bits)
+    out_dim, words = cw.shape
+    in_dim = words * 32 // bits
+    gs = _group_size(cw.group_size, in_dim, f"{proj} projection")
+    return cw, cs, cb, bits, gs, out_dim, in_dim
+
+
+# ------------------------------------------------------------------------------------------- geometry
+
+
+def qmv_geometry(out_dim: int, tokens: int) -> tuple[tuple[int, int, int], tuple[int, int, int]]:
+    """(grid, threadgroup) of qmv / gate_up: a threadgroup per ROWS_PER_GROUP output rows of one token."""
+    return (_cdiv(out_dim, ROWS_PER_GROUP), tokens, 1), (32 * QMV_SG, 1, 1)
+
+
+def qmv_rows_of(group_x: int, simdgroup: int) -> range:
+    """Output rows that simdgroup `simdgroup` of threadgroup column `group_x` works on (the kernel's formula;
+    QMV_KSPLIT simdgroups share each block of rows)."""
+    row0 = (group_x * QMV_RB + simdgroup % QMV_RB) * QMV_ROWS
+    return range(row0, row0 + QMV_ROWS)
+
+
+# ------------------------------------------------------------------------------------------- qmatmul
+
+
+def qmatmul_dispatch(x, w, scales, biases, bits, group_size, *, out=None, out_offset: int = 0) -> list[Dispatch]:
+    """y = x @ dequant(W).T into `out` (a new float32 [T, out] unless given; written from float `out_offset`).
+
+    x: f32 [T, in]; w: uint32 [out, in*bits/32]; scales, biases: bf16 [out, in/gs].
+    """
+    x = _act(x, "qmatmul: x")
+    bits = _bits(bits)
+    w, scales, biases = _qtensor(w, scales, biases, bits, group_size, x.shape[1], "qmatmul")
+    T, in_dim = x.shape
+    out_dim = w.shape[0]
+    y = _out(out, (T, out_dim), "qmatmul", out_offset)
+    if T == 0:
+        return []
+    grid, tg = qmv_geometry(out_dim, T)
+    args = {0: x, 1: w, 2: scales, 3: biases, 4: y, 5: in_dim, 6: out_dim, 7: int(group_size), 8: int(out_offset)}
+    return [Dispatch(SOURCE, f"qmv_b{bits}", args, grid, tg, label=f"qmv {out_dim}x{in_dim} q{bits}")]
+
+
+def qmatmul(executor: Executor, x, w, scales, biases, bits, group_size) -> np.ndarray:
+    """kernels_ref.qmatmul on `executor`: x f32 [T, in] -> f32 [T, out]."""
+    x = _act(x, "qmatmul: x")
+    y = np.empty((x.shape[0], np.asarray(w).shape[0]), dtype=np.float32)
+    ds = qmatmul_dispatch(x, w, scales, biases, bits, group_size, out=y)
+    if ds:
+        executor.run(ds)
+    return y
+
+
+def qmatmul_record_dispatch(x, record, layout: RecordLayout, proj: str, *, out=None,
+                            out_offset: int = 0) -> list[Dispatch]:
+    """One projection ("gate", "up" or "down") of the expert whose raw record is `record`: f32 [T, out]."""
+    x = _act(x, f"{proj} projection: x")
+    record = _record(record, layout)
+    cw, cs, cb, bits, gs, out_dim, in_dim = _proj(layout, proj)
+    if x.shape[1] != in_dim:
+        raise ShapeError(f"{proj} projection: x has width {x.shape[1]}, the record's {proj} expects {in_dim}")
+    T = x.shape[0]
+    y = _out(out, (T, out_dim), f"{proj} projection", out_offset)
+    if T == 0:
+        return []
+    grid, tg = qmv_geometry(out_dim, T)
+    args = {0: x, 1: record, 2: cw.offset, 3: cs.offset, 4: cb.offset, 5: y, 6: in_dim, 7: out_dim, 8: gs,
+            9: int(out_offset)}
+    return [Dispatch(SOURCE, f"qmv_rec_b{bits}", args, grid, tg, label=f"expert {proj} q{bits}")]
+
+
+# ------------------------------------------------------------------------------------------- expert FFN
+
+
+def _split_bits(bits) -> tuple[int, int, int]:
+    if np.isscalar(bits):
+        return (_bits(bits),) * 3
+    bits = tuple(bits)
+    if len(bits) != 3:
+        raise QuantizationError(f"expert bits must be one int or (gate, up, down), got {bits!r}")
+    return tuple(_bits(b) for b in bits)  # type: ignore[return-value]
+
+
+def gate_up_dispatch(x, gw, gs_, gb, uw, us, ub, bits, group_size, *, out=None) -> list[Dispatch]:
+    """h = silu(x @ gate^T) * (x @ up^T) in one dispatch: x f32 [T, D] -> h f32 [T, I].
+
+    bits: one int for both or (gate_bits, up_bits); gate/up: uint32 [I, D*b/32] + bf16 [I, D/gs].
+    """
+    x = _act(x, "gate_up: x")
+    if np.isscalar(bits):
+        g_bits = u_bits = _bits(bits)
+    elif len(bits) in (2, 3):
+        g_bits, u_bits = _bits(bits[0]), _bits(bits[1])
+    else:
+        raise QuantizationError(f"gate/up bits must be one int, (gate, up) or (gate, up, down), got {bits!r}")
+    T, D = x.shape
+    gw, gs_, gb = _qtensor(gw, gs_, gb, g_bits, group_size, D, "gate projection")
+    uw, us, ub = _qtensor(uw, us, ub, u_bits, group_size, D, "up projection")
+    if gw.shape[0] != uw.shape[0]:
+        raise ShapeError(f"gate has {gw.shape[0]} output rows, up has {uw.shape[0]}: expected the same")
+    I = gw.shape[0]
+    h = _out(out, (T, I), "gate_up")
+    if T == 0:
+        return []
+    grid, tg = qmv_geometry(I, T)
+    args = {0: x, 1: gw, 2: gs_, 3: gb, 4: uw, 5: us, 6: ub, 7: h, 8: D, 9: I, 10: int(group_size),
+            11: g_bits, 12: u_bits}
+    return [Dispatch(SOURCE, "gate_up_swiglu", args, grid, tg, label=f"gate_up {I}x{D} q{g_bits}/q{u_bits}")]
+
+
+def expert_ffn_dispatch(x, gw, gs_, gb, uw, us, ub, dw, ds, db, bits, group_size, *, out=None,
+                        out_offset: int = 0) -> list[Dispatch]:
+    """down(silu(gate(x)) * up(x)) as two dispatches (fused gate/up, then the down matvec): f32 [T, D]."""
+    x = _act(x, "expert_ffn: x")
+    g_bits, u_bits, d_bits = _split_bits(bits)
+    h = np.empty((x.shape[0], np.asarray(gw).shape[0]), dtype=np.float32)
+    first = gate_up_dispatch(x, gw, gs_, gb, uw, us, ub, (g_bits, u_bits), group_size, out=h)
+    return first + qmatmul_dispatch(h, dw, ds, db, d_bits, group_size, out=out, out_offset=out_offset)
+
+
+def expert_ffn(executor: Executor, x, gw, gs_, gb, uw, us, ub, dw, ds, db, bits, group_size) -> np.ndarray:
+    """kernels_ref.expert_ffn on `executor`: x f32 [T, D] -> f32 [T, D]."""
+    x = _act(x, "expert_ffn: x")
+    y = np.empty((x.shape[0], np.asarray(dw).shape[0]), dtype=np.float32)
+    ds = expert_ffn_dispatch(x, gw, gs_, gb, uw, us, ub, dw, ds, db, bits, group_size, out=y)
+    if ds:
+        executor.run(ds)
+    return y
+
+
+def expert_ffn_record_dispatch(x, record, layout: RecordLayout, *, out=None, out_offset: int = 0,
+                               h=None) -> list[Dispatch]:
+    """One routed expert from its raw record: fused gate/up + SwiGLU, then down. x f32 [T, D] -> f32 [T, D].
+
+    `out`/`out_offset` place the result inside a larger buffer (e.g. expert k of token t of a [T, K, D]
+    buffer for moe_combine at offset (t*K + k)*D); `h` is an optional f32 [T, I] scratch buffer.
+    """
+    x = _act(x, "expert_ffn_record: x")
+    record = _record(record, layout)
+    gw, gsc, gbi, g_bits, g_gs, I, D = _proj(layout, "gate")
+    uw, usc, ubi, u_bits, u_gs, u_out, u_in = _proj(layout, "up")
+    if (u_out, u_in) != (I, D) or u_gs != g_gs:
+        raise ShapeError(f"record layout: up is [{u_out}, {u_in}] group {u_gs}, gate [{I}, {D}] group {g_gs}: "
+                         "the fused gate/up kernel needs the same shape and group size")
+    if x.shape[1] != D:
+        raise ShapeError(f"expert_ffn_record: x has width {x.shape[1]}, the record's experts take {D}")
+    T = x.shape[0]
+    h = _out(h, (T, I), "expert_ffn_record scratch")
+    if T == 0:
+        return []
+    grid, tg = qmv_geometry(I, T)
+    args = {0: x, 1: record, 2: gw.offset, 3: gsc.offset, 4: gbi.offset, 5: uw.offset, 6: usc.offset,
+            7: ubi.offset, 8: h, 9: D, 10: I, 11: g_gs, 12: g_bits, 13: u_bits}
+    first = Dispatch(SOURCE, "gate_up_swiglu_rec", args, grid, tg, label=f"expert gate_up q{g_bits}/q{u_bits}")
+    return [first] + qmatmul_record_dispatch(h, record, layout, "down", out=out, out_offset=out_offset)
+
+
+def expert_ffn_record(executor: Executor, x, record, layout: RecordLayout) -> np.ndarray:
+    """One routed expert straight from its raw packed record: x f32 [T, D] -> f32 [T, D]."""
+    x = _act(x, "expert_ffn_record: x")
+    y = np.empty((x.shape[0], layout.component("down.weight").shape[0]), dtype=np.float32)
+    ds = expert_ffn_record_dispatch(x, record, layout, out=y)
+    if ds:
+        executor.run(ds)
+    return y
+
+
+# ------------------------------------------------------------------------------------------- embedding
+
+
+def qembedding_dispatch(ids, w, scales, biases, bits, group_size, *, out=None) -> list[Dispatch]:
+    """Rows `ids` of a quantized table, dequantized: ids int [T]; w uint32 [V, D*bits/32] -> f32 [T, D]."""
+    bits = _bits(bits)
+    ids_in = np.asarray(ids)
+    if ids_in.ndim != 1 or not (ids_in.size == 0 or np.issubdtype(ids_in.dtype, np.integer)):
+        raise ShapeError(f"qembedding: ids must be a 1-D integer array, got {ids_in.dtype} {ids_in.shape}")
+    w = np.asarray(w)
+    if w.dtype != np.uint32 or w.ndim != 2:
+        raise ShapeError(f"qembedding: packed table must be uint32 [V, words], got {w.dtype} {w.shape}")
+    D = w.shape[1] * 32 // bits
+    w, scales, biases = _qtensor(w, scales, biases, bits, group_size, D, "qembedding")
+    V = w.shape[0]
+    if ids_in.size and (ids_in.min() < 0 or ids_in.max() >= V):
+        raise ShapeError(f"qembedding: token ids must lie in 0..{V - 1}, got {ids_in.min()}..{ids_in.max()}")
+    ids32 = np.ascontiguousarray(ids_in, dtype=np.int32)
+    T = ids32.shape[0]
+    e = _out(out, (T, D), "qembedding")
+    if T == 0:
+        return []
+    grid = (_cdiv(D * bits // 32, QEMB_TG), T, 1)
+    args = {0: ids32, 1: w, 2: scales, 3: biases, 4: e, 5: D, 6: int(group_size)}
+    return [Dispatch(SOURCE, f"qembed_b{bits}", args, grid, (QEMB_TG, 1, 1), label=f"embed {T} x {D} q{bits}")]
+
+
+def qembedding(executor: Executor, ids, w, scales, biases, bits, group_size) -> np.ndarray:
+    """kernels_ref.qembedding on `executor`: ids int [T] -> f32 [T, D]."""
+    e = np.empty((np.asarray(ids).shape[0], np.asarray(w).shape[1] * 32 // _bits(bits)), dtype=np.float32)
+    ds = qembedding_dispatch(ids, w, scales, biases, bits, group_size, out=e)
+    if ds:
+        executor.run(ds)
+    return e
+
+
+# ------------------------------------------------------------------------------------------- MoE combine
+
+
+def moe_combine_ref(residual, y, weights, shared=None, shared_logit=None) -> np.ndarray:
+    """The numpy spec of moe_combine (float32, quant.metal's order):
+
+    acc = sigmoid(shared_logit[t]) * shared[t] (or 0); acc += w[t, k] * y[t, k] for k in order;
+    out = residual + acc.  residual f32 [T, D]; y f32 [T, K, D]; weights f32 [T, K]; shared f32 [T, D];
+    shared_logit f32 [T]  ->  f32 [T, D]
+    """
+    residual, y, weights = (np.asarray(a, dtype=np.float32) for a in (residual, y, weights))
+    acc = np.zeros_like(residual)
+    if shared is not None:
+        with np.errstate(over="ignore"):
+            gate = np.float32(1) / (np.float32(1) + np.exp(-np.asarray(shared_logit, dtype=np.float32)))
+        acc = gate[:, None] * np.asarray(shared, dtype=np.float32)
+    for k in range(y.shape[1]):
+        acc = acc + weights[:, k, None] * y[:, k]
+    return residual + acc
+
+
+def moe_combine_dispatch(residual, y, weights, shared=None, shared_logit=None, *, out=None) -> list[Dispatch]:
+    """out = residual + sum_k w[:, k] * y[:, k] (+ sigmoid(shared_logit) * shared); see moe_combine_ref.
+
+    `out` may be `residual` itself (updated in place).
+    """
+    residual = _act(residual, "moe_combine: residual")
+    y = _act(y, "moe_combine: y", ndim=3)
+    weights = _act(weights, "moe_combine: weights")
+    T, D = residual.shape
+    K = y.shape[1]
+    if y.shape != (T, K, D) or weights.shape != (T, K):
+        raise ShapeError(f"moe_combine: residual {residual.shape}, y {y.shape}, weights {weights.shape}: "
+                         "expected [T, D], [T, K, D], [T, K]")
+    if (shared is None) != (shared_logit is None):
+        raise ShapeError("moe_combine: give both shared and shared_logit, or neither")
+    o = _out(out, (T, D), "moe_combine")
+    if T == 0:
+        return []
+    args = {0: residual, 1: y, 2: weights, 3: o, 4: D, 5: K, 6: T}
+    kernel = "moe_combine"
+    if shared is not None:
+        shared = _act(shared, "moe_combine: shared")
+        shared_logit = np.ascontiguousarray(shared_logit, dtype=np.float32).reshape(-1)
+        if shared.shape != (T, D) or shared_logit.shape != (T,):
+            raise ShapeError(f"moe_combine: shared {shared.shape}, shared_logit {shared_logit.shape}: "
+                             f"expected [{T}, {D}] and [{T}]")
+        args.update({7: shared, 8: shared_logit})
+        kernel = "moe_combine_shared"
+    grid = (_cdiv(D, QCOMB_TG), T, 1)
+    return [Dispatch(SOURCE, kernel, args, grid, (QCOMB_TG, 1, 1), label=f"{kernel} K={K}")]
+
+
+def moe_combine(executor: Executor, residual, y, weights, shared=None, shared_logit=None) -> np.ndarray:
+    """moe_combine_ref on `executor`: f32 [T, D]."""
+    residual = _act(residual, "moe_combine: residual")
+    out = np.empty_like(residual)
+    ds = moe_combine_dispatch(residual, y, weights, shared, shared_logit, out=out)
+    if ds:
+        executor.run(ds)
+    return out
+
+
+__all__ = [
+    "SOURCE", "KERNEL_BITS", "ROWS_PER_GROUP", "qmv_geometry", "qmv_rows_of",
+    "qmatmul_dispatch", "qmatmul", "qmatmul_record_dispatch",
+    "gate_up_dispatch", "expert_ffn_dispatch", "expert_ffn", "expert_ffn_record_dispatch", "expert_ffn_record",
+    "qembedding_dispatch", "qembedding", "moe_combine_ref", "moe_combine_dispatch", "moe_combine",
+]
+
