@@ -190,6 +190,16 @@ def distinct_fraction(model, prompt, ids) -> float:
     return len(seen) / max(1, total)
 
 
+BALLOON = r"""
+import signal, sys, time
+import numpy as np
+blocks = [np.ones(1 << 27, dtype=np.uint8) for _ in range(int(float(sys.argv[1]) * 8))]  # 128 MiB each, touched
+print("READY", flush=True)
+signal.signal(signal.SIGTERM, lambda *a: sys.exit(0))
+while True:
+    time.sleep(3600)
+"""
+
 MLX_CHILD = r"""
 import json, sys, time
 import mlx.core as mx
@@ -257,32 +267,52 @@ def main():
     ap.add_argument("--keep", action="store_true", help="keep the checkpoints for the next run")
     ap.add_argument("--no-mlx", action="store_true", help="skip the mlx-lm comparison")
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--bits", default="4,2", help="packed bit widths to build and measure")
+    ap.add_argument("--io", default="pread", help="comma list of --io modes to measure (e.g. pread,hybrid,mmap)")
+    ap.add_argument("--drop-source", action="store_true",
+                    help="delete the source checkpoint once packed (an 8-layer model needs 2 x 29 GB otherwise)")
+    ap.add_argument("--balloon", type=float, default=0.0, metavar="GIB",
+                    help="hold GIB GiB of RAM in another process while measuring (bench-anchors/balloon.py's "
+                         "method), so only the rest is left for the page cache")
+    ap.add_argument("--no-warm", action="store_true", help="measure cold runs only")
     args = ap.parse_args()
     from moepack.convert import convert
     from moepack.runtime.model import load_model
 
     root = Path(args.dir)
     src = root / "src"
-    if not (src / "model-dense.safetensors").exists():
+    bit_list = [int(b) for b in args.bits.split(",")]
+    have_packs = all((root / f"packed-{b}" / "moepack.json").exists() for b in bit_list)
+    if not have_packs and not (src / "model-dense.safetensors").exists():
         shutil.rmtree(src, ignore_errors=True)
         print(f"writing a {args.layers}-layer synthetic checkpoint (397B expert shapes) to {src} ...", file=sys.stderr)
         make_checkpoint(src, args.layers)
         add_dense(src)
     packs = {}
-    for bits in (4, 2):
+    for bits in bit_list:
         out = root / f"packed-{bits}"
         if not (out / "moepack.json").exists():
             print(f"packing at {bits}-bit ...", file=sys.stderr)
             convert(str(src), out, bits=bits, force=True, progress=False)
         packs[bits] = out
+    if args.drop_source:
+        shutil.rmtree(src, ignore_errors=True)
+    balloon = None
+    if args.balloon > 0:
+        print(f"holding {args.balloon} GiB of RAM in a balloon process ...", file=sys.stderr)
+        balloon = subprocess.Popen([sys.executable, "-c", BALLOON, str(args.balloon)], stdout=subprocess.PIPE,
+                                   text=True)
+        if "READY" not in (balloon.stdout.readline() or ""):
+            raise SystemExit("the balloon process failed to fill its memory")
     print("compiling kernels on a tiny model ...", file=sys.stderr)
     warm_numba(root)
 
-    cfg = json.loads((src / "config.json").read_text())
+    cfg = json.loads((packs[bit_list[0]] / "config.json").read_text())
     prompt = token_ids(args.prompt_tokens, cfg["vocab_size"], 1)
     ids = token_ids(args.tokens, cfg["vocab_size"], 2)
     ks = [int(k) for k in args.ks.split(",")]
     res = {"layers": args.layers, "tokens": args.tokens, "reps": args.reps, "cores": os.cpu_count(),
+           "balloon_GiB": args.balloon,
            "omp_wait_policy": os.environ["OMP_WAIT_POLICY"], "raw_pread": {}, "runs": [],
            "mlx_lm": {}}
     for bits, out in packs.items():
@@ -292,19 +322,25 @@ def main():
         cold, warm = raw_pread(files, record, n=min(64, 512 * len(files)))
         res["raw_pread"][bits] = {"record_bytes": record, "cold_GBps": cold, "warm_GBps": warm}
         for k in ks:
-            with load_model(out, backend="numba", io="pread", experts_per_token=k) as m:
-                frac = distinct_fraction(m, prompt, ids)
-                cold_r = warm_r = None
-                for _ in range(max(1, args.reps)):
-                    drop_cache(files)
-                    r = decode_run(m, prompt, ids)
-                    cold_r = r if cold_r is None or r["tok_s"] > cold_r["tok_s"] else cold_r
-                    r = decode_run(m, prompt, ids)
-                    warm_r = r if warm_r is None or r["tok_s"] > warm_r["tok_s"] else warm_r
-            res["runs"].append({"bits": bits, "k": k, "cold": cold_r, "warm": warm_r, "distinct_experts": frac})
-            print(f"  {bits}-bit K={k}: cold {cold_r['tok_s']:.2f} tok/s, warm {warm_r['tok_s']:.2f} tok/s",
-                  file=sys.stderr)
-    if not args.no_mlx and importlib.util.find_spec("mlx_lm") is not None:
+            for io in args.io.split(","):
+                with load_model(out, backend="numba", io=io, experts_per_token=k) as m:
+                    frac = distinct_fraction(m, prompt, ids)
+                    cold_r = warm_r = None
+                    for _ in range(max(1, args.reps)):
+                        drop_cache(files)
+                        r = decode_run(m, prompt, ids)
+                        cold_r = r if cold_r is None or r["tok_s"] > cold_r["tok_s"] else cold_r
+                        if not args.no_warm:
+                            r = decode_run(m, prompt, ids)
+                            warm_r = r if warm_r is None or r["tok_s"] > warm_r["tok_s"] else warm_r
+                res["runs"].append({"bits": bits, "k": k, "io": io, "cold": cold_r, "warm": warm_r or cold_r,
+                                    "distinct_experts": frac})
+                print(f"  {bits}-bit K={k} io={io}: cold {cold_r['tok_s']:.2f} tok/s"
+                      + (f", warm {warm_r['tok_s']:.2f} tok/s" if warm_r else ""), file=sys.stderr)
+    if balloon is not None:
+        balloon.terminate()
+        balloon.wait()
+    if not args.no_mlx and src.exists() and importlib.util.find_spec("mlx_lm") is not None:
         mlx_ids = ids[: args.mlx_tokens]
         for k in ks:
             for upcast in (False, True):
@@ -320,7 +356,7 @@ def main():
         for bits, r in res["raw_pread"].items():
             print(f"raw pread, {bits}-bit records ({r['record_bytes'] / 1e6:.2f} MB), 4 threads: "
                   f"cold {r['cold_GBps']:.2f} GB/s, warm {r['warm_GBps']:.2f} GB/s")
-        hdr = (f"{'bits':>4} {'K':>3} {'cache':>5} {'tok/s':>7} {'ms/tok':>8} {'io ms':>7} {'cpu ms':>7} "
+        hdr = (f"{'bits':>4} {'K':>3} {'io':>7} {'cache':>5} {'tok/s':>7} {'ms/tok':>8} {'io ms':>7} {'cpu ms':>7} "
                f"{'MB/tok':>7} {'GB/s io':>8} {'of raw':>7} {'GB/s e2e':>9} {'distinct':>8} {'vs mlx-lm':>10}")
         print(hdr)
         for run in res["runs"]:
@@ -329,7 +365,7 @@ def main():
                 raw = res["raw_pread"][run["bits"]][f"{phase}_GBps"]
                 mlx = res["mlx_lm"].get(f"k{run['k']}_fp32")
                 ratio = f"{r['tok_s'] / mlx:.1f}x" if mlx else "-"
-                print(f"{run['bits']:>4} {run['k']:>3} {phase:>5} {r['tok_s']:>7.2f} {r['ms_per_token']:>8.1f} "
+                print(f"{run['bits']:>4} {run['k']:>3} {run['io']:>7} {phase:>5} {r['tok_s']:>7.2f} {r['ms_per_token']:>8.1f} "
                       f"{r['io_wait_ms']:>7.1f} {r['compute_ms']:>7.1f} {r['MB_per_token']:>7.1f} "
                       f"{r['expert_GBps_io']:>8.2f} {r['expert_GBps_io'] / raw:>7.0%} {r['expert_GBps_e2e']:>9.2f} "
                       f"{run['distinct_experts']:>8.2f} {ratio:>10}")

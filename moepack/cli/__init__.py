@@ -22,6 +22,8 @@ COMMANDS = {
     "publish": ("moepack.cli.hub_cmd", "publish_cmd"),
     "pull": ("moepack.cli.hub_cmd", "pull_cmd"),
     "selftest": ("moepack.cli.selftest_cmd", "selftest_cmd"),
+    "bench-io": ("moepack.cli.io_cmd", "bench_io_cmd"),
+    "trace": ("moepack.cli.io_cmd", "trace_cmd"),
 }
 
 

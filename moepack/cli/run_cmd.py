@@ -12,7 +12,12 @@ import warnings
 import click
 
 _BACKENDS = ("auto", "cpu", "numpy", "metal-emu", "cuda", "metal")
-_IO = ("pread", "direct", "mmap")
+_IO = ("pread", "direct", "mmap", "hybrid", "mapped", "auto")
+
+
+def _io_spec(io: str, split: int) -> str:
+    """--io M --split N as the 'M:N' form the runtime's io argument takes."""
+    return io if split == 1 else f"{io}:{split}"
 
 
 def _model_options(f):
@@ -38,7 +43,11 @@ def _model_options(f):
                           "verification, tiny models)."),
         click.option("--io", type=click.Choice(_IO), default="pread", show_default=True,
                      help="How experts are read: pread (through the page cache), direct (bypass it: cold-read "
-                          "benchmarks), mmap (for comparison)."),
+                          "benchmarks), mmap (for comparison), hybrid (mincore: copy cached pages from a "
+                          "mapping, pread the rest), mapped (as hybrid, but a wholly cached expert is used in place: no "
+                          "copy; best when the model fits in RAM), auto (what `moepack bench-io` saved, else pread)."),
+        click.option("--split", type=click.IntRange(min=1), default=1, show_default=True, metavar="N",
+                     help="Read each expert as N 16 KiB-aligned chunks on N threads."),
         click.option("--session", type=click.Path(dir_okay=False), default=None, metavar="FILE",
                      help="Resume the conversation saved in FILE (if it exists) and save it back: a follow-up "
                           "prompt prefills only its new tokens."),
@@ -127,7 +136,8 @@ def layer_table(stats: dict) -> str:
                          f"{t['io_wait_s'] * 1e3 / n:>10.2f}{t['experts_read'] / n:>9.1f}"
                          f"{t['bytes_read'] / 1e6 / n:>10.2f}")
         lines.append(f"{phase:<8}{'all':>6}  {n} tokens, {p['forward_calls']} forward calls, I/O wait "
-                     f"{p['io_wait_s']:.3f} s, compute {p['compute_s']:.3f} s, {_mb(p['expert_bytes_read'])} read")
+                     f"{p['io_wait_s']:.3f} s ({p['io_wait_s'] * 1e3 / n:.2f} ms/token), compute "
+                     f"{p['compute_s']:.3f} s, {_mb(p['expert_bytes_read'])} read")
     return "\n".join(lines)
 
 
@@ -151,7 +161,7 @@ def _report(stats: dict, show_stats: bool) -> None:
 @click.option("--json", "as_json", is_flag=True,
               help='Print one JSON object {"tokens", "text", "stats"} and nothing else on stdout.')
 def run_cmd(packed, revision, prompt, prompt_ids, raw, max_tokens, temperature, top_p, top_k, seed, experts_per_token,
-            backend, io, session, show_stats, dump_logits, as_json):
+            backend, io, split, session, show_stats, dump_logits, as_json):
     """Generate text with a packed model on the CPU, streaming its experts from disk.
 
     The text streams to stdout as it is generated; timings (prefill and decode tok/s, time to first token,
@@ -184,7 +194,7 @@ def run_cmd(packed, revision, prompt, prompt_ids, raw, max_tokens, temperature, 
     with _warnings_as_lines(), _soft_interrupt() as stopped:
         g = run(packed, prompt=prompt, prompt_ids=prompt_ids, raw=raw, max_tokens=max_tokens,
                 temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, experts_per_token=experts_per_token,
-                backend=backend, io=io, session=session, dump_logits=dump_logits, on_text=on_text,
+                backend=backend, io=_io_spec(io, split), session=session, dump_logits=dump_logits, on_text=on_text,
                 should_stop=stopped, warn=_warn)
     if as_json:
         click.echo(json.dumps({"tokens": g.tokens, "text": g.text, "stats": g.stats}))
@@ -216,8 +226,8 @@ def _read_line(interactive: bool) -> str | None:
 @click.option("--revision", default=None, help="Hub revision when PACKED is a repo id.")
 @_model_options
 @click.option("--system", default=None, metavar="TEXT", help="System message at the start of a new conversation.")
-def chat_cmd(packed, revision, max_tokens, temperature, top_p, top_k, seed, experts_per_token, backend, io, session,
-             show_stats, system):
+def chat_cmd(packed, revision, max_tokens, temperature, top_p, top_k, seed, experts_per_token, backend, io, split,
+             session, show_stats, system):
     """Chat with a packed model in the terminal, one turn after another.
 
     Each turn sends the whole conversation through the chat template, but only the tokens the cache does not
@@ -253,7 +263,7 @@ def chat_cmd(packed, revision, max_tokens, temperature, top_p, top_k, seed, expe
         raise TokenizerError(f"{packed} has no chat template (tokenizer_config.json or chat_template.jinja)",
                              hint='use `moepack run PACKED --raw --prompt TEXT` for plain-text prompts')
     interactive = sys.stdin.isatty()
-    with _warnings_as_lines(), open_model(packed, backend=backend, io=io, experts_per_token=experts_per_token) as model:
+    with _warnings_as_lines(), open_model(packed, backend=backend, io=_io_spec(io, split), experts_per_token=experts_per_token) as model:
         sess = open_session(session, model)
         rng = np.random.default_rng(seed)
         click.echo(f"moepack chat: {packed} [{model.backend}, K={model.experts_per_token}]"

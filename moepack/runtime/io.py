@@ -15,6 +15,26 @@ I/O modes:
   warns once and falls back to ``'pread'``.
 * ``'mmap'``: copy the record out of a read-only mapping of the layer file (page faults instead of one
   large read; slower when cold, per the notes; kept for comparison).
+* ``'hybrid'``: map each layer file once; per read ask ``mincore()`` which pages are in the page cache, copy
+  those runs out of the mapping (warm copies beat pread) and pread the missing runs, each run one call
+  (cold bulk reads stay large disk commands). On Linux 6.5+ one ``cachestat()`` call first settles the
+  all-cached and none-cached cases (microseconds, where mincore walks every page); ``IOStats`` counts both
+  kinds of call and their time.
+* ``'mapped'``: as ``'hybrid'``, except that a record whose pages are ALL in the page cache is not copied
+  at all: the request hands back a view of the mapping itself and the kernels read the weights in place
+  (what llama.cpp does with its mmap, for a model that fits in RAM). Records not wholly cached are read as
+  ``'hybrid'`` reads them, so a cold record is still one large pread, never a storm of page faults. If the
+  OS evicts a page between the check and its use, the kernel's access faults it back in: slower, never
+  wrong (the mapping is of the file itself). ``IOStats.mapped_reads`` / ``mapped_bytes`` count them.
+* ``'auto'``: the recommendation ``moepack bench-io`` saved for this model or its disk (mode, threads,
+  split), else ``'pread'``; ``reader.io`` then names the mode chosen.
+
+Split reads (``split=N``): each record is read as N chunks with 16 KiB-aligned boundaries, queued as
+separate tasks, so one expert's read runs on up to N threads at once (the pool has max(threads, N) threads).
+Every mode and split returns byte-identical records.
+
+A ``recorder`` (``reader.recorder = fn``) is called as ``fn(layer, expert_ids)`` on every submit: how
+``moepack trace`` sees the routing without touching model code.
 
 Buffer lifetime rule: each request uses a *slot* (an int, default 0) owning a pool of 2 MiB-aligned record
 buffers, grown to the largest request it has seen and then reused. The arrays ``Pending.wait()`` returns
@@ -26,21 +46,23 @@ previous one.
 from __future__ import annotations
 
 import errno
-import mmap
 import os
 import sys
 import threading
 import time
 import warnings
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 
 import numpy as np
 
 from ..errors import MoepackError, PackedModelError
-from ..layout.reader import PackedModel, aligned_empty
+from ..layout.constants import RECORD_ALIGN
+from ..layout.reader import BUFFER_ALIGN, PackedModel, aligned_empty
+from .residency import FileMap, mincore_available, read_plan
 
-IO_MODES = ("pread", "direct", "mmap")
+IO_MODES = ("pread", "direct", "mmap", "hybrid", "mapped")
+IO_CHOICES = IO_MODES + ("auto",)  # what the CLI and load_model accept
 _F_NOCACHE = 48  # fcntl command on macOS
 
 
@@ -50,10 +72,20 @@ class IOStats:
     reads: int = 0  # expert records fetched
     requests: int = 0  # submit() calls
     wait_s: float = 0.0  # time callers spent blocked in Pending.wait()
+    chunks: int = 0  # read tasks queued (reads x split)
+    cachestat_calls: int = 0  # hybrid: cachestat() probes (Linux 6.5+), one per chunk
+    cachestat_s: float = 0.0  # hybrid: time spent in them (all threads together)
+    mincore_calls: int = 0  # hybrid: mincore() scans: every chunk without cachestat, else partly cached ones
+    mincore_s: float = 0.0  # hybrid: time spent in them, run planning included
+    copied_bytes: int = 0  # hybrid: bytes found resident and copied from the mapping
+    pread_bytes: int = 0  # hybrid: bytes found missing and pread
+    pread_calls: int = 0  # hybrid: preads issued for missing runs
+    mapped_reads: int = 0  # mapped: records used in place from the mapping (wholly cached: nothing copied)
+    mapped_bytes: int = 0  # mapped: their bytes
 
     def reset(self) -> None:
-        self.bytes_read = self.reads = self.requests = 0
-        self.wait_s = 0.0
+        for f in fields(self):
+            setattr(self, f.name, type(getattr(self, f.name))())
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -103,29 +135,51 @@ class Pending:
 
 
 class ExpertReader:
-    """Reads expert records of a :class:`PackedModel` (see the module docstring for modes and buffer lifetime)."""
+    """Reads expert records of a :class:`PackedModel` (see the module docstring for modes and buffer lifetime).
 
-    def __init__(self, packed_model: PackedModel, io: str = "pread", threads: int = 4):
-        if io not in IO_MODES:
-            raise MoepackError(f"unknown io mode {io!r}", hint=f"use one of {', '.join(IO_MODES)}")
+    ``buffer_align`` is the alignment of the record buffers: 2 MiB by default; bench-io compares 16 KiB."""
+
+    def __init__(self, packed_model: PackedModel, io: str = "pread", threads: int = 4, split: int = 1,
+                 buffer_align: int = BUFFER_ALIGN):
+        io, spec_split = parse_io(io)
+        split = split if spec_split is None else spec_split
+        self.auto = None  # the saved recommendation 'auto' used (None: none, or io was not 'auto')
+        if io == "auto":
+            from ..iobench import recommended_io
+
+            self.auto = recommended_io(packed_model)
+            rec = self.auto or {}
+            io, threads = rec.get("io", "pread"), int(rec.get("threads", threads))
+            split = int(rec.get("split", split)) if spec_split is None else spec_split  # explicit --split wins
         if threads < 1:
             raise MoepackError(f"io threads must be at least 1, got {threads}")
+        if split < 1:
+            raise MoepackError(f"--split must be at least 1, got {split}", hint="1 reads each expert in one call")
+        if buffer_align < 4096 or buffer_align & (buffer_align - 1):
+            raise MoepackError(f"buffer alignment must be a power of two >= 4096, got {buffer_align}")
         self.packed = packed_model
         self.requested_io = io
         self.io = io
         self.threads = threads
+        self.split = split
+        self.buffer_align = buffer_align
         self.stats = IOStats()
+        self.recorder = None  # fn(layer, expert_ids) called on every submit (moepack trace)
         self._record_max = max((packed_model.layout(e.layer).record_size for e in packed_model.manifest.layers),
                                default=0)
-        self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="moepack-io")
+        self._pool = ThreadPoolExecutor(max_workers=max(threads, split), thread_name_prefix="moepack-io")
         self._buffers: dict[int, list[np.ndarray]] = {}  # slot -> record buffers
         self._inflight: dict[int, Pending] = {}  # slot -> last request on it
         self._fds: dict[int, int] = {}  # layer -> fd opened for this mode ('direct')
-        self._maps: dict[int, mmap.mmap] = {}  # layer -> mapping ('mmap')
+        self._maps: dict[int, FileMap] = {}  # layer -> mapping ('mmap', 'hybrid')
+        self._chunks: dict[int, list[tuple[int, int]]] = {}  # record size -> split chunks
         self._lock = threading.Lock()
+        self._tls = threading.local()
         self._closed = False
         if io == "direct" and not (hasattr(os, "O_DIRECT") or sys.platform == "darwin"):
             self._fallback("this platform has neither O_DIRECT nor F_NOCACHE")
+        if io in ("hybrid", "mapped") and not mincore_available():
+            self._fallback("mincore is not available on this platform")
 
     # -------------------------------------------------------------------------------------------- public
     def submit(self, layer: int, expert_ids, slot: int = 0) -> Pending:
@@ -140,19 +194,35 @@ class ExpertReader:
         for e in experts:
             if not 0 <= e < n_exp:
                 raise PackedModelError(f"expert {e} out of range 0..{n_exp - 1}")
+        if self.recorder is not None:
+            self.recorder(layer, experts)
         prev = self._inflight.pop(slot, None)
         if prev is not None:
             prev._drain()  # the buffers of this slot are about to be overwritten
         bufs = self._buffers.setdefault(slot, [])
         while len(bufs) < len(experts):
-            bufs.append(aligned_empty(self._record_max))
-        records = [bufs[i][:size] for i in range(len(experts))]
+            bufs.append(record_buffer(self._record_max, self.buffer_align))
         read = self._reader_for(layer)
-        futures = [self._pool.submit(read, layer, e, rec, size) for e, rec in zip(experts, records)]
+        chunks = self._chunks.get(size)
+        if chunks is None:
+            chunks = self._chunks[size] = split_ranges(size, self.split)
+        fm = self._maps.get(layer) if self.io == "mapped" else None
+        records, futures, used = [], [], 0
+        for e in experts:
+            if fm is not None and self._wholly_cached(fm, e * size, size):
+                records.append(fm.array[e * size : (e + 1) * size])  # in place: no copy, no read task
+                self.stats.mapped_reads += 1
+                self.stats.mapped_bytes += size
+                continue
+            rec = bufs[used][:size]
+            used += 1
+            records.append(rec)
+            futures += [self._pool.submit(read, layer, e * size + a, rec[a:b]) for a, b in chunks]
         pending = Pending(self, layer, experts, futures, records)
         self._inflight[slot] = pending
         self.stats.requests += 1
         self.stats.reads += len(experts)
+        self.stats.chunks += len(futures)
         self.stats.bytes_read += size * len(experts)
         return pending
 
@@ -175,10 +245,7 @@ class ExpertReader:
             os.close(fd)
         self._fds.clear()
         for m in self._maps.values():
-            try:
-                m.close()
-            except BufferError:  # a caller still holds a view; the mapping goes when it does
-                pass
+            m.close()
         self._maps.clear()
         self._buffers.clear()
 
@@ -205,13 +272,27 @@ class ExpertReader:
                     self._fallback(f"{e.strerror} opening {self.packed.manifest.layer(layer).file}")
             if self.io == "direct":
                 return self._read_direct
-        if self.io == "mmap":
+        if self.io in ("mmap", "hybrid", "mapped"):
             if layer not in self._maps:
-                fd = self.packed.fd(layer)
-                self._maps[layer] = mmap.mmap(fd, 0, access=mmap.ACCESS_READ)
-            return self._read_mmap
+                self._maps[layer] = FileMap(fd=self.packed.fd(layer))
+            return self._read_mmap if self.io == "mmap" else self._read_hybrid
         self.packed.fd(layer)
         return self._read_pread
+
+    def _wholly_cached(self, fm: FileMap, offset: int, n: int) -> bool:
+        """Are all pages of [offset, offset + n) in the page cache? One cachestat() (Linux 6.5+), else mincore."""
+        t0 = time.perf_counter()
+        n_pages = (offset + n - 1) // fm.page_size - offset // fm.page_size + 1
+        cached = fm.cached_pages(offset, n)
+        if cached is not None:
+            self._count(time.perf_counter() - t0, None, 0, 0, 0)
+            return cached >= n_pages
+        vec = getattr(self._tls, "vec", None)
+        if vec is None or vec.size < n_pages:
+            vec = self._tls.vec = np.empty(n_pages, dtype=np.uint8)
+        ok = bool(fm.resident(offset, n, out=vec).all())
+        self._count(None, time.perf_counter() - t0, 0, 0, 0)
+        return ok
 
     def _open_direct(self, layer: int) -> int:
         path = self.packed.path / self.packed.manifest.layer(layer).file
@@ -223,14 +304,15 @@ class ExpertReader:
             return fd
         return os.open(path, os.O_RDONLY | os.O_DIRECT)
 
-    def _read_pread(self, layer: int, expert: int, buf: np.ndarray, size: int) -> None:
-        _pread_full(self.packed.fd(layer), buf, expert * size)
+    # each read function fills `dst` (a slice of a record buffer) from file offset `offset` of `layer`
+    def _read_pread(self, layer: int, offset: int, dst: np.ndarray) -> None:
+        _pread_full(self.packed.fd(layer), dst, offset)
 
-    def _read_direct(self, layer: int, expert: int, buf: np.ndarray, size: int) -> None:
+    def _read_direct(self, layer: int, offset: int, dst: np.ndarray) -> None:
         fd = self._fds.get(layer)
         if fd is not None:
             try:
-                _pread_full(fd, buf, expert * size)
+                _pread_full(fd, dst, offset)
                 return
             except OSError as e:
                 if e.errno != errno.EINVAL:
@@ -238,11 +320,92 @@ class ExpertReader:
                 with self._lock:  # the file system accepted O_DIRECT at open but refuses the read
                     if self.io == "direct":
                         self._fallback(f"{e.strerror} on an O_DIRECT read")
-        _pread_full(self.packed.fd(layer), buf, expert * size)
+        _pread_full(self.packed.fd(layer), dst, offset)
 
-    def _read_mmap(self, layer: int, expert: int, buf: np.ndarray, size: int) -> None:
-        src = np.frombuffer(self._maps[layer], dtype=np.uint8, count=size, offset=expert * size)
-        np.copyto(buf, src)
+    def _read_mmap(self, layer: int, offset: int, dst: np.ndarray) -> None:
+        np.copyto(dst, self._maps[layer].array[offset : offset + dst.size])
+
+    def _read_hybrid(self, layer: int, offset: int, dst: np.ndarray) -> None:
+        fm = self._maps[layer]
+        n = dst.size
+        ps = fm.page_size
+        n_pages = (offset + n - 1) // ps - offset // ps + 1
+        t0 = time.perf_counter()
+        cached = fm.cached_pages(offset, n)  # one cheap call settles the all/none cases (Linux 6.5+)
+        t1 = time.perf_counter()
+        # the all-cached and none-cached fast paths: as little Python (GIL time) as the pure modes
+        if cached is not None and cached >= n_pages:
+            np.copyto(dst, fm.array[offset : offset + n])
+            self._count(t1 - t0, None, n, 0, 0)
+            return
+        if cached == 0:
+            _pread_full(self.packed.fd(layer), dst, offset)
+            self._count(t1 - t0, None, 0, n, 1)
+            return
+        vec = getattr(self._tls, "vec", None)  # this thread's mincore vector, reused
+        if vec is None or vec.size < n_pages:
+            vec = self._tls.vec = np.empty(n_pages, dtype=np.uint8)
+        resident = fm.resident(offset, n, out=vec)
+        runs = read_plan(resident, ps, offset, n)
+        t2 = time.perf_counter()
+        copied = preads = pread_bytes = 0
+        fd = self.packed.fd(layer)
+        for r in runs:
+            if r.resident:
+                np.copyto(dst[r.start : r.end], fm.array[offset + r.start : offset + r.end])
+                copied += r.nbytes
+            else:
+                _pread_full(fd, dst[r.start : r.end], offset + r.start)
+                preads += 1
+                pread_bytes += r.nbytes
+        self._count(None if cached is None else t1 - t0, t2 - t1, copied, pread_bytes, preads)
+
+    def _count(self, cachestat_s, mincore_s, copied: int, pread_bytes: int, preads: int) -> None:
+        with self._lock:
+            s = self.stats
+            if cachestat_s is not None:
+                s.cachestat_calls += 1
+                s.cachestat_s += cachestat_s
+            if mincore_s is not None:
+                s.mincore_calls += 1
+                s.mincore_s += mincore_s
+            s.copied_bytes += copied
+            s.pread_bytes += pread_bytes
+            s.pread_calls += preads
+
+
+def parse_io(spec: str) -> tuple[str, int | None]:
+    """'hybrid' -> ('hybrid', None); 'hybrid:4' -> ('hybrid', 4): the form `moepack run --io M --split N`
+    passes down through the generation API."""
+    mode, _, n = str(spec).partition(":")
+    if mode not in IO_CHOICES:
+        raise MoepackError(f"unknown io mode {spec!r}", hint=f"use one of {', '.join(IO_CHOICES)}")
+    if not n:
+        return mode, None
+    try:
+        return mode, int(n)
+    except ValueError:
+        raise MoepackError(f"bad io mode {spec!r}", hint="use MODE or MODE:SPLIT, e.g. hybrid:4") from None
+
+
+def split_ranges(size: int, n: int, align: int = RECORD_ALIGN) -> list[tuple[int, int]]:
+    """[start, end) of `n` near-equal chunks covering [0, size), inner boundaries on multiples of `align`
+    (fewer chunks when `size` has fewer than `n` aligned blocks)."""
+    blocks = -(-size // align)
+    n = max(1, min(n, blocks))
+    cuts = [min(size, (blocks * i // n) * align) for i in range(n + 1)]
+    cuts[-1] = size
+    return [(a, b) for a, b in zip(cuts[:-1], cuts[1:]) if b > a]
+
+
+def record_buffer(nbytes: int, align: int = BUFFER_ALIGN) -> np.ndarray:
+    """A uint8 buffer aligned to `align`; below 2 MiB, deliberately *not* aligned to 2 x `align`, so a
+    benchmark of 16 KiB-aligned destinations measures exactly that."""
+    if align >= BUFFER_ALIGN:
+        return aligned_empty(nbytes, align)
+    raw = np.empty(nbytes + 2 * BUFFER_ALIGN, dtype=np.uint8)
+    off = (-raw.ctypes.data) % BUFFER_ALIGN + align
+    return raw[off : off + nbytes]
 
 
 def _pread_full(fd: int, buf: np.ndarray, offset: int) -> None:

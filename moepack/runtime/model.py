@@ -90,7 +90,8 @@ class Model:
     """A loaded packed model. Not thread-safe: one forward at a time."""
 
     def __init__(self, packed: PackedModel, *, backend: str = "numpy", io: str = "pread",
-                 experts_per_token: int | None = None, io_threads: int = 4, owns_packed: bool = False):
+                 experts_per_token: int | None = None, io_threads: int = 4, owns_packed: bool = False,
+                 io_split: int = 1):
         self.K = load_kernels(backend)
         self.backend = backend
         self.packed = packed
@@ -107,7 +108,7 @@ class Model:
         self.weights = DenseWeights(packed.path, config)
         try:
             self.decoder = self.arch.build(self.weights, packed, self.args)
-            self.reader = ExpertReader(packed, io=io, threads=io_threads)
+            self.reader = ExpertReader(packed, io=io, threads=io_threads, split=io_split)
         except BaseException:
             self.weights.close()
             raise
@@ -173,13 +174,14 @@ class Model:
 
 
 def load_model(packed, *, backend: str = "numpy", io: str = "pread", experts_per_token: int | None = None,
-               io_threads: int = 4) -> Model:
-    """Open a packed model folder (or a PackedModel) for inference."""
+               io_threads: int = 4, io_split: int = 1) -> Model:
+    """Open a packed model folder (or a PackedModel) for inference. `io`: one of runtime.io.IO_CHOICES
+    ('pread', 'direct', 'mmap', 'hybrid', 'auto'), optionally 'MODE:N' for split reads of N chunks."""
     owns = not isinstance(packed, PackedModel)
     pm = PackedModel(packed) if owns else packed
     try:
         return Model(pm, backend=backend, io=io, experts_per_token=experts_per_token, io_threads=io_threads,
-                     owns_packed=owns)
+                     owns_packed=owns, io_split=io_split)
     except BaseException:
         if owns:
             pm.close()
