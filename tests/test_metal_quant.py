@@ -89,23 +89,38 @@ def test_same_signatures_as_the_reference_after_the_executor(name):
 def test_geometry_constants_match_the_kernel_source():
     text = (kernel_dir() / OQ.SOURCE).read_text()
     defines = {m[1]: int(m[2]) for m in re.finditer(r"^#define (\w+) (\d+)\b", text, re.M)}
-    for name in ("QMV_SG", "QMV_KSPLIT", "QMV_ROWS", "QMV_VPT", "QMV_XCHUNK", "QEMB_TG", "QCOMB_TG"):
+    for name in ("QMV_SG", "QMV_ROWS", "QMV_VPT", "QMV_XCHUNK", "QEMB_TG", "QCOMB_TG"):
         assert defines[name] == getattr(OQ, name), name
     assert all(gs % OQ.QMV_VPT == 0 for gs in (32, 64, 128))  # a lane's inputs share one scale and bias
     assert OQ.QMV_XCHUNK * 4 <= 16 * 1024  # threadgroup memory per kernel, well under Apple's 32 KiB
+    assert all(OQ.QMV_SG % ks == 0 for ks in OQ.KSPLITS)
 
 
 @pytest.mark.parametrize("out_dim", [1, 7, 8, 9, 64, 100])
 @pytest.mark.parametrize("T", [1, 3])
 def test_qmv_grid_covers_every_row_and_token_once(out_dim, T):
     w, s, b = qweights(rng("geo"), out_dim, 64, 4, 32)
-    (d,) = OQ.qmatmul_dispatch(np.zeros((T, 64), np.float32), w, s, b, 4, 32)
-    assert d.kernel == "qmv_b4" and d.threadgroup == (32 * OQ.QMV_SG, 1, 1)
-    assert d.grid[1:] == (T, 1)  # one token per grid row
-    rows = [r for gx in range(d.grid[0]) for sg in range(OQ.QMV_SG) for r in OQ.qmv_rows_of(gx, sg)]
-    assert all(rows.count(r) == OQ.QMV_KSPLIT for r in rows)  # each row: exactly its QMV_KSPLIT simdgroups
-    assert set(range(out_dim)) <= set(rows) and len(set(rows)) - out_dim < OQ.ROWS_PER_GROUP
-    assert d.args[4].shape == (T, out_dim) and d.args[6] == out_dim and d.args[5] == 64
+    for ksplit in (None,) + OQ.KSPLITS:
+        (d,) = OQ.qmatmul_dispatch(np.zeros((T, 64), np.float32), w, s, b, 4, 32, ksplit=ksplit)
+        ks = d.args[9]
+        assert d.kernel == "qmv_b4" and d.threadgroup == (32 * OQ.QMV_SG, 1, 1) and ks in OQ.KSPLITS
+        assert d.grid[1:] == (T, 1)  # one token per grid row
+        rows = [r for gx in range(d.grid[0]) for sg in range(OQ.QMV_SG) for r in OQ.qmv_rows_of(gx, sg, ks)]
+        assert all(rows.count(r) == ks for r in rows)  # each row: exactly its ksplit simdgroups
+        assert set(range(out_dim)) <= set(rows) and len(set(rows)) - out_dim < OQ.rows_per_group(ks)
+        assert d.args[4].shape == (T, out_dim) and d.args[6] == out_dim and d.args[5] == 64
+
+
+def test_ksplit_spreads_small_dispatches_and_keeps_large_ones_whole():
+    assert OQ.choose_ksplit(1024, 4096) == 8  # one expert's gate/up at decode: 4 rows a group, 256 groups
+    assert OQ.choose_ksplit(1024, 4096, experts=10) == 1  # a batch of 10 experts: 320 groups unsplit
+    assert OQ.choose_ksplit(4096, 4096) == 2 and OQ.choose_ksplit(65536, 4096) == 1
+    assert OQ.choose_ksplit(64, 128) == 1  # tiny: not worth 8x the emulated threads
+    for out_dim, in_dim, T, E in [(1024, 4096, 1, 1), (4096, 1024, 1, 1), (512, 4096, 3, 1), (1024, 4096, 1, 10)]:
+        ks = OQ.choose_ksplit(out_dim, in_dim, T, E)
+        groups = -(-out_dim // OQ.rows_per_group(ks)) * T * E
+        assert groups >= OQ.TARGET_GROUPS or ks == OQ.KSPLITS[-1]
+        assert ks == 1 or -(-out_dim // OQ.rows_per_group(ks // 2)) * T * E < OQ.TARGET_GROUPS
 
 
 def test_embedding_and_combine_grids_cover_their_outputs():
@@ -200,7 +215,7 @@ def test_builders_refuse_what_the_kernels_cannot_do():
     x = np.ones((1, 64), np.float32)
     with pytest.raises(QuantizationError) as e:
         OQ.qmatmul_dispatch(x, *w3, 3, 32)
-    assert "numba" in e.value.hint
+    assert "--backend cpu" in e.value.hint
     w4 = qweights(r, 8, 64, 4, 32)
     with pytest.raises(QuantizationError):
         OQ.qmatmul_dispatch(x, *w4, 4, 16)  # group size not 32/64/128
@@ -259,6 +274,18 @@ def test_qmatmul_matches_reference(emu, bits, gs):
             assert y.dtype == np.float32 and y.shape == (T, out_dim)
             err = np.abs(y.astype(np.float64) - ref) / term_scale(x, w, s, b, bits, gs)
             assert err.max() <= 1e-5, (out_dim, in_dim, T, err.max())
+
+
+@pytest.mark.parametrize("ksplit", OQ.KSPLITS)
+def test_qmatmul_every_ksplit(emu, ksplit):
+    # 2 input steps per simdgroup at ksplit 1, none for some simdgroups at 8; 44 rows: a partial row block
+    r = rng("ksplit", ksplit)
+    w, s, b = qweights(r, 44, 1024, 4, 64)
+    x = r.standard_normal((2, 1024)).astype(np.float32)
+    y = np.empty((2, 44), np.float32)
+    emu.run(OQ.qmatmul_dispatch(x, w, s, b, 4, 64, out=y, ksplit=ksplit))
+    err = np.abs(y.astype(np.float64) - REF.qmatmul(x, w, s, b, 4, 64)) / term_scale(x, w, s, b, 4, 64)
+    assert err.max() <= 1e-5
 
 
 def test_qmatmul_wide_input_spans_several_staged_chunks(emu):
@@ -324,21 +351,74 @@ def packed_model(mlx_ckpt, tmp_path_factory):
         yield pm
 
 
+def expert_ref(pm, layer, rec, x):
+    """kernels_ref.expert_ffn on the nine typed views of one raw record."""
+    lay = pm.layout(layer)
+    a = pm.expert_arrays(layer, rec)
+    bits = tuple(lay.proj_bits(p) for p in ("gate", "up", "down"))
+    parts = (a[f"{p}.{q}"] for p in ("gate", "up", "down") for q in ("weight", "scales", "biases"))
+    return REF.expert_ffn(x, *parts, bits, lay.component("gate.weight").group_size)
+
+
 def test_expert_ffn_from_a_real_packed_record(emu, packed_model):
     pm = packed_model
     layer = pm.manifest.layers[0].layer
     lay = pm.layout(layer)
     recs = pm.read_records(layer, 0, 3)  # [3, record_size]: what pread puts in the expert buffer
-    D = pm.manifest.moe.hidden
-    x = rng("packed").standard_normal((2, D)).astype(np.float32)
-    bits = tuple(lay.proj_bits(p) for p in ("gate", "up", "down"))
-    gs = lay.component("gate.weight").group_size
+    x = rng("packed").standard_normal((2, pm.manifest.moe.hidden)).astype(np.float32)
     for e in (0, 2):
-        a = pm.expert_arrays(layer, recs[e])
-        ref = REF.expert_ffn(x, *(a[f"{p}.{q}"] for p in ("gate", "up", "down") for q in
-                                  ("weight", "scales", "biases")), bits, gs)
+        ref = expert_ref(pm, layer, recs[e], x)
         y = OQ.expert_ffn_record(emu, x, recs[e], lay)
         assert np.abs(y - ref).max() <= 2e-5 * np.abs(ref).max(), e
+
+
+def test_a_batch_of_experts_in_one_pair_of_dispatches(emu, packed_model):
+    # 3 records read with one pread: two dispatches (grid.z = 3) give what three single-expert runs give,
+    # bit for bit, with x shared by the experts or one x per expert
+    pm = packed_model
+    layer = pm.manifest.layers[-1].layer
+    lay = pm.layout(layer)
+    recs = pm.read_records(layer, 1, 3)
+    D = pm.manifest.moe.hidden
+    r = rng("batch")
+    x = r.standard_normal((2, D)).astype(np.float32)
+    ds = OQ.expert_ffn_record_dispatch(x, recs, lay)
+    assert len(ds) == 2 and all(d.grid[2] == 3 for d in ds)
+    y = OQ.expert_ffn_record(emu, x, recs, lay)
+    assert y.shape == (3, 2, D)
+    for e in range(3):
+        assert np.array_equal(y[e], OQ.expert_ffn_record(emu, x, recs[e], lay)), e
+    xs = r.standard_normal((3, 2, D)).astype(np.float32)
+    y = OQ.expert_ffn_record(emu, xs, recs, lay)
+    for e in range(3):
+        ref = expert_ref(pm, layer, recs[e], xs[e])
+        assert np.abs(y[e] - ref).max() <= 2e-5 * np.abs(ref).max(), e
+
+
+def test_one_decode_step_of_the_moe_block(emu, packed_model):
+    # routed experts (one batch) -> moe_combine with the sigmoid-gated shared expert and the residual,
+    # against the numpy model code's order: y = gate * shared; y += w_k * expert_k(x); h + y
+    pm = packed_model
+    layer = pm.manifest.layers[0].layer
+    lay = pm.layout(layer)
+    D = pm.manifest.moe.hidden
+    r = rng("decode")
+    chosen = [5, 1, 6]  # the router's top-k for this token
+    recs = np.stack([pm.read_record(layer, e) for e in chosen])  # [K, record_size]
+    x = r.standard_normal((1, D)).astype(np.float32)
+    residual = r.standard_normal((1, D)).astype(np.float32)
+    w = np.array([[0.5, 0.3, 0.2]], np.float32)
+    shared, logit = r.standard_normal((1, D)).astype(np.float32), np.array([0.7], np.float32)
+    y = np.empty((len(chosen), 1, D), np.float32)  # [K, T=1, D] == moe_combine's [T=1, K, D]
+    out = np.empty((1, D), np.float32)
+    plan = OQ.expert_ffn_record_dispatch(x, recs, lay, out=y)
+    plan += OQ.moe_combine_dispatch(residual, y.reshape(1, len(chosen), D), w, shared, logit, out=out)
+    emu.run(plan)  # one command buffer: gate/up, down, combine
+    ref = np.float32(1) / (np.float32(1) + np.exp(-logit)) * shared
+    for k, rec in enumerate(recs):
+        ref = ref + w[0, k] * expert_ref(pm, layer, rec, x)
+    ref = residual + ref
+    assert np.abs(out - ref).max() <= 2e-5 * np.abs(ref).max()
 
 
 # ---------------------------------------------------------------------------------------------- embedding

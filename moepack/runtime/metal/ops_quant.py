@@ -4,7 +4,12 @@ Each op has a `<op>_dispatch(...)` that checks its inputs and returns the Dispat
 allocated, or the caller's `out`), and a convenience `<op>(executor, ...)` that runs it and returns the
 result. `qmatmul`, `expert_ffn` and `qembedding` take the arguments of the functions of the same names in
 `moepack.runtime.kernels_ref` (the spec they are tested against), with the executor first. Routed experts
-come as one raw record (uint8, as pread reads it) plus its `RecordLayout`: `expert_ffn_record`.
+come as raw records (uint8, as pread reads them) plus their `RecordLayout`: `expert_ffn_record` takes one
+record, or a batch [n, record_size] that runs as one pair of dispatches (grid.z = expert), whose output
+[K, 1, D] for one decode token is `moe_combine`'s y.
+
+Matvec geometry: `ksplit` simdgroups share each block of rows (a kernel parameter, chosen here per dispatch
+by `choose_ksplit`), so one expert's small matrices still fill a large GPU and big ones stay unsplit.
 
 Shape legend: T tokens, in/out a projection's input/output widths, D hidden, I expert intermediate,
 K experts per token, V vocabulary, gs group size. bf16 arrays are uint16 bit patterns.
@@ -25,15 +30,20 @@ SOURCE = "quant.metal"
 KERNEL_BITS = (2, 4, 8)  # bit widths with kernels (3-bit codes straddle words: not on this backend)
 
 QMV_SG = 8  # simdgroups per threadgroup
-QMV_KSPLIT = 2  # simdgroups sharing one block of rows (each takes every QMV_KSPLIT-th step of the inputs)
 QMV_ROWS = 4  # output rows per simdgroup
 QMV_VPT = 16  # consecutive inputs per lane per step
 QMV_XCHUNK = 2048  # floats of x staged in threadgroup memory at a time
 QEMB_TG = 64  # threads per threadgroup of qembed
 QCOMB_TG = 256  # threads per threadgroup of moe_combine
 
-QMV_RB = QMV_SG // QMV_KSPLIT  # row blocks per threadgroup
-ROWS_PER_GROUP = QMV_RB * QMV_ROWS  # output rows per threadgroup of qmv / gate_up
+KSPLITS = (1, 2, 4, 8)  # simdgroups that may share a block of rows (a kernel parameter)
+# qmv / gate_up dispatches aim for at least this many threadgroups (row blocks x tokens x experts): measured on
+# an H200 (132 SMs), one expert's 1024 x 4096 4-bit gate/up took 8.8 us with 4 simdgroups per row block (128
+# groups) and 41.7 us with 1 (32 groups), while a batch of 10 experts or a 65536-row matrix ran fastest unsplit.
+TARGET_GROUPS = 256
+# ... but a matrix smaller than this many weights is not split: its time is launch latency on any GPU, and
+# unsplit it costs the CPU emulator 8x fewer threads (tiny test models run whole through it).
+SPLIT_MIN_WEIGHTS = 1 << 20
 _U32 = 1 << 32
 
 
@@ -48,7 +58,7 @@ def _bits(bits) -> int:
     if isinstance(bits, bool) or not isinstance(bits, (int, np.integer)) or int(bits) not in KERNEL_BITS:
         raise QuantizationError(
             f"the Metal kernels take {KERNEL_BITS}-bit weights, not {bits!r}",
-            hint="3-bit models run on the CPU backend (--backend numba)" if bits == 3 else None,
+            hint="3-bit models run on the CPU backend (--backend cpu)" if bits == 3 else None,
         )
     return int(bits)
 
@@ -102,16 +112,30 @@ def _out(out, shape: tuple[int, ...], name: str, offset: int = 0) -> np.ndarray:
     return out
 
 
-def _record(record, layout: RecordLayout) -> np.ndarray:
+def _records(record, layout: RecordLayout) -> tuple[np.ndarray, int, int]:
+    """One raw record [>= payload] or a batch of them [n, record_size] -> (flat uint8 buffer, n, stride)."""
     record = np.asarray(record)
-    if record.dtype != np.uint8 or record.ndim != 1 or not record.flags.c_contiguous:
-        raise ShapeError(f"an expert record must be a 1-D contiguous uint8 array, got {record.dtype} {record.shape}",
-                         hint="pass the bytes exactly as PackedReader.read_record returns them")
-    if record.size < layout.payload_size:
-        raise ShapeError(f"expert record of {record.size} bytes is shorter than its layout's {layout.payload_size}")
-    if layout.payload_size >= _U32:
-        raise ShapeError(f"expert record of {layout.payload_size} bytes: offsets do not fit the kernels' uint")
-    return record
+    if record.dtype != np.uint8 or record.ndim not in (1, 2) or not record.flags.c_contiguous:
+        raise ShapeError(f"expert records must be a contiguous uint8 array [size] or [experts, size], got "
+                         f"{record.dtype} {record.shape}",
+                         hint="pass the bytes exactly as PackedModel.read_record / read_records return them")
+    n, size = (1, record.shape[0]) if record.ndim == 1 else record.shape
+    if size < layout.payload_size:
+        raise ShapeError(f"expert record of {size} bytes is shorter than its layout's {layout.payload_size}")
+    if (n - 1) * size + layout.payload_size >= _U32:
+        raise ShapeError(f"{n} expert records of {size} bytes: byte offsets do not fit the kernels' uint",
+                         hint="run fewer experts per dispatch")
+    return (record if record.ndim == 1 else record.reshape(-1)), n, size  # a view: no copy of the bytes
+
+
+def _expert_x(x, n: int, width: int, what: str) -> tuple[np.ndarray, int, int]:
+    """x [T, width] read by every expert (stride 0) or [n, T, width] one per expert -> (x, T, x_stride)."""
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    if x.ndim == 2 and x.shape[1] == width:
+        return x, x.shape[0], 0
+    if x.ndim == 3 and x.shape[0] == n and x.shape[2] == width:
+        return x, x.shape[1], x.shape[1] * width
+    raise ShapeError(f"{what}: x has shape {x.shape}, expected [T, {width}] or [{n}, T, {width}]")
 
 
 def _proj(layout: RecordLayout, proj: str):
@@ -127,22 +151,44 @@ def _proj(layout: RecordLayout, proj: str):
 # ------------------------------------------------------------------------------------------- geometry
 
 
-def qmv_geometry(out_dim: int, tokens: int) -> tuple[tuple[int, int, int], tuple[int, int, int]]:
-    """(grid, threadgroup) of qmv / gate_up: a threadgroup per ROWS_PER_GROUP output rows of one token."""
-    return (_cdiv(out_dim, ROWS_PER_GROUP), tokens, 1), (32 * QMV_SG, 1, 1)
+def rows_per_group(ksplit: int) -> int:
+    """Output rows per threadgroup of qmv / gate_up when `ksplit` simdgroups share each block of rows."""
+    return QMV_SG // ksplit * QMV_ROWS
 
 
-def qmv_rows_of(group_x: int, simdgroup: int) -> range:
+def choose_ksplit(out_dim: int, in_dim: int, tokens: int = 1, experts: int = 1) -> int:
+    """1 for a matrix under SPLIT_MIN_WEIGHTS, else the smallest split that gives TARGET_GROUPS threadgroups
+    (the largest when none does)."""
+    if out_dim * in_dim < SPLIT_MIN_WEIGHTS:
+        return 1
+    for ks in KSPLITS:
+        if _cdiv(out_dim, rows_per_group(ks)) * tokens * experts >= TARGET_GROUPS:
+            return ks
+    return KSPLITS[-1]
+
+
+def qmv_geometry(out_dim: int, in_dim: int, tokens: int, experts: int = 1, ksplit: int | None = None):
+    """(grid, threadgroup, ksplit) of qmv / gate_up: a threadgroup per rows_per_group(ksplit) output rows of
+    one token of one expert of the batch."""
+    ks = choose_ksplit(out_dim, in_dim, tokens, experts) if ksplit is None else int(ksplit)
+    if ks not in KSPLITS:
+        raise ShapeError(f"ksplit {ksplit!r}: expected one of {KSPLITS}")
+    return (_cdiv(out_dim, rows_per_group(ks)), tokens, experts), (32 * QMV_SG, 1, 1), ks
+
+
+def qmv_rows_of(group_x: int, simdgroup: int, ksplit: int) -> range:
     """Output rows that simdgroup `simdgroup` of threadgroup column `group_x` works on (the kernel's formula;
-    QMV_KSPLIT simdgroups share each block of rows)."""
-    row0 = (group_x * QMV_RB + simdgroup % QMV_RB) * QMV_ROWS
+    `ksplit` simdgroups share each block of rows, each taking every ksplit-th step of the inputs)."""
+    nrb = QMV_SG // ksplit
+    row0 = (group_x * nrb + simdgroup % nrb) * QMV_ROWS
     return range(row0, row0 + QMV_ROWS)
 
 
 # ------------------------------------------------------------------------------------------- qmatmul
 
 
-def qmatmul_dispatch(x, w, scales, biases, bits, group_size, *, out=None, out_offset: int = 0) -> list[Dispatch]:
+def qmatmul_dispatch(x, w, scales, biases, bits, group_size, *, out=None, out_offset: int = 0,
+                     ksplit: int | None = None) -> list[Dispatch]:
     """y = x @ dequant(W).T into `out` (a new float32 [T, out] unless given; written from float `out_offset`).
 
     x: f32 [T, in]; w: uint32 [out, in*bits/32]; scales, biases: bf16 [out, in/gs].
@@ -153,10 +199,11 @@ def qmatmul_dispatch(x, w, scales, biases, bits, group_size, *, out=None, out_of
     T, in_dim = x.shape
     out_dim = w.shape[0]
     y = _out(out, (T, out_dim), "qmatmul", out_offset)
-    if T == 0:
+    if T == 0 or out_dim == 0:
         return []
-    grid, tg = qmv_geometry(out_dim, T)
-    args = {0: x, 1: w, 2: scales, 3: biases, 4: y, 5: in_dim, 6: out_dim, 7: int(group_size), 8: int(out_offset)}
+    grid, tg, ks = qmv_geometry(out_dim, in_dim, T, 1, ksplit)
+    args = {0: x, 1: w, 2: scales, 3: biases, 4: y, 5: in_dim, 6: out_dim, 7: int(group_size), 8: int(out_offset),
+            9: ks}
     return [Dispatch(SOURCE, f"qmv_b{bits}", args, grid, tg, label=f"qmv {out_dim}x{in_dim} q{bits}")]
 
 
@@ -172,20 +219,23 @@ def qmatmul(executor: Executor, x, w, scales, biases, bits, group_size) -> np.nd
 
 def qmatmul_record_dispatch(x, record, layout: RecordLayout, proj: str, *, out=None,
                             out_offset: int = 0) -> list[Dispatch]:
-    """One projection ("gate", "up" or "down") of the expert whose raw record is `record`: f32 [T, out]."""
-    x = _act(x, f"{proj} projection: x")
-    record = _record(record, layout)
+    """One projection ("gate", "up" or "down") of routed experts, straight from their raw records.
+
+    record: one record (uint8 [size]) -> f32 [T, out]; or a batch (uint8 [n, size], e.g. read_records) ->
+    f32 [n, T, out], all n experts in one dispatch (grid.z). x: f32 [T, in] read by every expert, or
+    [n, T, in]. `out`/`out_offset` place the result inside a larger float32 buffer.
+    """
+    flat, n, stride = _records(record, layout)
     cw, cs, cb, bits, gs, out_dim, in_dim = _proj(layout, proj)
-    if x.shape[1] != in_dim:
-        raise ShapeError(f"{proj} projection: x has width {x.shape[1]}, the record's {proj} expects {in_dim}")
-    T = x.shape[0]
-    y = _out(out, (T, out_dim), f"{proj} projection", out_offset)
-    if T == 0:
+    x, T, x_stride = _expert_x(x, n, in_dim, f"{proj} projection")
+    shape = (T, out_dim) if np.asarray(record).ndim == 1 else (n, T, out_dim)
+    y = _out(out, shape, f"{proj} projection", out_offset)
+    if T == 0 or n == 0:
         return []
-    grid, tg = qmv_geometry(out_dim, T)
-    args = {0: x, 1: record, 2: cw.offset, 3: cs.offset, 4: cb.offset, 5: y, 6: in_dim, 7: out_dim, 8: gs,
-            9: int(out_offset)}
-    return [Dispatch(SOURCE, f"qmv_rec_b{bits}", args, grid, tg, label=f"expert {proj} q{bits}")]
+    grid, tg, ks = qmv_geometry(out_dim, in_dim, T, n)
+    args = {0: x, 1: flat, 2: cw.offset, 3: cs.offset, 4: cb.offset, 5: y, 6: in_dim, 7: out_dim, 8: gs,
+            9: int(out_offset), 10: stride, 11: x_stride, 12: T * out_dim, 13: ks}
+    return [Dispatch(SOURCE, f"qmv_rec_b{bits}", args, grid, tg, label=f"{n} expert(s) {proj} q{bits}")]
 
 
 # ------------------------------------------------------------------------------------------- expert FFN
@@ -219,11 +269,11 @@ def gate_up_dispatch(x, gw, gs_, gb, uw, us, ub, bits, group_size, *, out=None) 
         raise ShapeError(f"gate has {gw.shape[0]} output rows, up has {uw.shape[0]}: expected the same")
     I = gw.shape[0]
     h = _out(out, (T, I), "gate_up")
-    if T == 0:
+    if T == 0 or I == 0:
         return []
-    grid, tg = qmv_geometry(I, T)
+    grid, tg, ks = qmv_geometry(I, D, T)
     args = {0: x, 1: gw, 2: gs_, 3: gb, 4: uw, 5: us, 6: ub, 7: h, 8: D, 9: I, 10: int(group_size),
-            11: g_bits, 12: u_bits}
+            11: g_bits, 12: u_bits, 13: ks}
     return [Dispatch(SOURCE, "gate_up_swiglu", args, grid, tg, label=f"gate_up {I}x{D} q{g_bits}/q{u_bits}")]
 
 
@@ -249,35 +299,43 @@ def expert_ffn(executor: Executor, x, gw, gs_, gb, uw, us, ub, dw, ds, db, bits,
 
 def expert_ffn_record_dispatch(x, record, layout: RecordLayout, *, out=None, out_offset: int = 0,
                                h=None) -> list[Dispatch]:
-    """One routed expert from its raw record: fused gate/up + SwiGLU, then down. x f32 [T, D] -> f32 [T, D].
+    """Routed experts from their raw records: fused gate/up + SwiGLU, then down (two dispatches).
 
-    `out`/`out_offset` place the result inside a larger buffer (e.g. expert k of token t of a [T, K, D]
-    buffer for moe_combine at offset (t*K + k)*D); `h` is an optional f32 [T, I] scratch buffer.
+    record: one record (uint8 [size]) -> f32 [T, D]; or a batch (uint8 [n, size]) -> f32 [n, T, D], every
+    expert in the same two dispatches. x: f32 [T, D] read by every expert, or [n, T, D]. For one decode
+    token the batch's output [K, 1, D] is moe_combine's y [T=1, K, D]. `out`/`out_offset` place the result
+    inside a larger float32 buffer; `h` is an optional f32 [(n,) T, I] scratch buffer.
     """
-    x = _act(x, "expert_ffn_record: x")
-    record = _record(record, layout)
+    flat, n, stride = _records(record, layout)
     gw, gsc, gbi, g_bits, g_gs, I, D = _proj(layout, "gate")
     uw, usc, ubi, u_bits, u_gs, u_out, u_in = _proj(layout, "up")
     if (u_out, u_in) != (I, D) or u_gs != g_gs:
         raise ShapeError(f"record layout: up is [{u_out}, {u_in}] group {u_gs}, gate [{I}, {D}] group {g_gs}: "
                          "the fused gate/up kernel needs the same shape and group size")
-    if x.shape[1] != D:
-        raise ShapeError(f"expert_ffn_record: x has width {x.shape[1]}, the record's experts take {D}")
-    T = x.shape[0]
-    h = _out(h, (T, I), "expert_ffn_record scratch")
-    if T == 0:
+    x, T, x_stride = _expert_x(x, n, D, "expert_ffn_record")
+    batch = np.asarray(record).ndim == 2
+    h = _out(h, (n, T, I) if batch else (T, I), "expert_ffn_record scratch")
+    if T == 0 or n == 0:
         return []
-    grid, tg = qmv_geometry(I, T)
-    args = {0: x, 1: record, 2: gw.offset, 3: gsc.offset, 4: gbi.offset, 5: uw.offset, 6: usc.offset,
-            7: ubi.offset, 8: h, 9: D, 10: I, 11: g_gs, 12: g_bits, 13: u_bits}
-    first = Dispatch(SOURCE, "gate_up_swiglu_rec", args, grid, tg, label=f"expert gate_up q{g_bits}/q{u_bits}")
-    return [first] + qmatmul_record_dispatch(h, record, layout, "down", out=out, out_offset=out_offset)
+    grid, tg, ks = qmv_geometry(I, D, T, n)
+    args = {0: x, 1: flat, 2: gw.offset, 3: gsc.offset, 4: gbi.offset, 5: uw.offset, 6: usc.offset,
+            7: ubi.offset, 8: h, 9: D, 10: I, 11: g_gs, 12: g_bits, 13: u_bits, 14: stride, 15: x_stride,
+            16: T * I, 17: ks}
+    first = Dispatch(SOURCE, "gate_up_swiglu_rec", args, grid, tg,
+                     label=f"{n} expert(s) gate_up q{g_bits}/q{u_bits}")
+    down = qmatmul_record_dispatch(h.reshape((n, T, I)) if batch else h, record, layout, "down", out=out,
+                                   out_offset=out_offset)
+    return [first] + down
 
 
 def expert_ffn_record(executor: Executor, x, record, layout: RecordLayout) -> np.ndarray:
-    """One routed expert straight from its raw packed record: x f32 [T, D] -> f32 [T, D]."""
-    x = _act(x, "expert_ffn_record: x")
-    y = np.empty((x.shape[0], layout.component("down.weight").shape[0]), dtype=np.float32)
+    """Routed experts straight from their raw packed records (one record [size] -> f32 [T, D]; a batch
+    [n, size] -> f32 [n, T, D]); x f32 [T, D] shared by the experts, or [n, T, D]."""
+    record = np.asarray(record)
+    x = np.asarray(x, dtype=np.float32)
+    T = x.shape[-2] if x.ndim >= 2 else 0
+    D = layout.component("down.weight").shape[0]
+    y = np.empty((T, D) if record.ndim == 1 else (record.shape[0], T, D), dtype=np.float32)
     ds = expert_ffn_record_dispatch(x, record, layout, out=y)
     if ds:
         executor.run(ds)
@@ -384,7 +442,7 @@ def moe_combine(executor: Executor, residual, y, weights, shared=None, shared_lo
 
 
 __all__ = [
-    "SOURCE", "KERNEL_BITS", "ROWS_PER_GROUP", "qmv_geometry", "qmv_rows_of",
+    "SOURCE", "KERNEL_BITS", "KSPLITS", "rows_per_group", "choose_ksplit", "qmv_geometry", "qmv_rows_of",
     "qmatmul_dispatch", "qmatmul", "qmatmul_record_dispatch",
     "gate_up_dispatch", "expert_ffn_dispatch", "expert_ffn", "expert_ffn_record_dispatch", "expert_ffn_record",
     "qembedding_dispatch", "qembedding", "moe_combine_ref", "moe_combine_dispatch", "moe_combine",
