@@ -249,3 +249,26 @@ def test_model_logits_are_identical_with_mapped_and_pread(mlx_ckpt, tmp_path):
                 assert m.reader.stats.mapped_reads > 0
     for a, b in zip(logits["pread"], logits["mapped"]):
         assert np.array_equal(a, b)
+
+
+def test_completed_yields_each_expert_once_with_its_bytes_and_reports_a_failed_read(synth, monkeypatch):
+    pm, path, data = synth
+    size = pm.layout(0).record_size
+    experts = [3, 11, 0, 6]
+    with ExpertReader(pm, io="pread", threads=2, split=2) as reader:
+        seen = []
+        for e, arrays in reader.submit(0, experts).completed():
+            raw = np.concatenate([arrays[c.name].view(np.uint8).reshape(-1) for c in pm.layout(0).components])
+            assert raw.tobytes() == data[e * size: e * size + raw.nbytes]
+            seen.append(e)
+        assert sorted(seen) == sorted(experts)
+        real = reader._read_pread
+
+        def flaky(layer, offset, dst):
+            if offset == 11 * size:
+                raise OSError(5, "Input/output error")
+            return real(layer, offset, dst)
+
+        monkeypatch.setattr(reader, "_read_pread", flaky)
+        with pytest.raises(OSError, match="Input/output"):
+            list(reader.submit(0, experts, slot=1).completed())

@@ -51,7 +51,8 @@ import sys
 import threading
 import time
 import warnings
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor
+from concurrent.futures import wait as wait_futures
 from dataclasses import asdict, dataclass, fields
 
 import numpy as np
@@ -95,12 +96,13 @@ class Pending:
     """The reads of one submit(); ``wait()`` returns {expert_id: {component: array view}}."""
 
     def __init__(self, reader: "ExpertReader", layer: int, experts: list[int], futures: list[Future],
-                 records: list[np.ndarray]):
+                 records: list[np.ndarray], groups: list[list[Future]] | None = None):
         self._reader = reader
         self.layer = layer
         self.experts = experts
         self._futures = futures
         self._records = records
+        self._groups = groups  # per expert (same order): the read tasks filling its record ([] when in place)
         self._result: dict[int, dict[str, np.ndarray]] | None = None
 
     def done(self) -> bool:
@@ -126,6 +128,34 @@ class Pending:
             pm = self._reader.packed
             self._result = {e: pm.expert_arrays(self.layer, rec) for e, rec in zip(self.experts, self._records)}
         return self._result
+
+    def completed(self):
+        """Yield (expert_id, {component: view}) as each expert's record is complete, in the order the reads
+        finish (records used in place first), so the caller computes one expert while the others still read.
+        Time blocked here counts as I/O wait; a failed read raises when its expert's turn comes (after every
+        read of the request has finished, so the buffers are quiet)."""
+        if self._groups is None or self._result is not None:
+            yield from self.wait().items()
+            return
+        pm = self._reader.packed
+        todo = {i: set(g) for i, g in enumerate(self._groups)}
+        ready = [i for i, g in todo.items() if not g]
+        while todo:
+            for i in ready:
+                del todo[i]
+                for f in self._groups[i]:
+                    if f.exception() is not None:
+                        self._drain()
+                        f.result()
+                yield self.experts[i], pm.expert_arrays(self.layer, self._records[i])
+            if not todo:
+                break
+            t0 = time.perf_counter()
+            done, _ = wait_futures({f for g in todo.values() for f in g}, return_when=FIRST_COMPLETED)
+            self._reader.stats.wait_s += time.perf_counter() - t0
+            for g in todo.values():
+                g -= done
+            ready = [i for i, g in todo.items() if not g]
 
     def records(self) -> dict[int, np.ndarray]:
         """{expert_id: the raw record bytes (uint8, inside a 2 MiB-aligned buffer)} after wait(); same lifetime
@@ -207,18 +237,20 @@ class ExpertReader:
         if chunks is None:
             chunks = self._chunks[size] = split_ranges(size, self.split)
         fm = self._maps.get(layer) if self.io == "mapped" else None
-        records, futures, used = [], [], 0
+        records, futures, groups, used = [], [], [], 0
         for e in experts:
             if fm is not None and self._wholly_cached(fm, e * size, size):
                 records.append(fm.array[e * size : (e + 1) * size])  # in place: no copy, no read task
+                groups.append([])
                 self.stats.mapped_reads += 1
                 self.stats.mapped_bytes += size
                 continue
             rec = bufs[used][:size]
             used += 1
             records.append(rec)
-            futures += [self._pool.submit(read, layer, e * size + a, rec[a:b]) for a, b in chunks]
-        pending = Pending(self, layer, experts, futures, records)
+            groups.append([self._pool.submit(read, layer, e * size + a, rec[a:b]) for a, b in chunks])
+            futures += groups[-1]
+        pending = Pending(self, layer, experts, futures, records, groups)
         self._inflight[slot] = pending
         self.stats.requests += 1
         self.stats.reads += len(experts)

@@ -317,22 +317,26 @@ class MoeBlock:
         # GPU backends take each expert's raw record whole (the kernels read components at their offsets)
         ffn_record = getattr(K, "expert_ffn_record", None)
         layout = reader.packed.layout(self.layer)
-        for bi, batch in enumerate(batches):
-            arrays = pending.wait()
-            raw = pending.records() if ffn_record is not None else None
-            if bi + 1 < len(batches):
+        for bi in range(len(batches)):
+            current = pending
+            if bi + 1 < len(batches):  # the other slot's request (batch bi-1) is fully consumed by now
                 pending = reader.submit(self.layer, batches[bi + 1], slot=(bi + 1) % 2)
-            for e in batch:
+            raw = current.records() if ffn_record is not None else None
+            # each expert as soon as its record is in (compute overlaps the reads still running); the results
+            # are added in expert order, so the sum does not depend on which read finished first
+            outs = {}
+            for e, a in (current.wait().items() if raw is not None else current.completed()):
                 rows, slots = np.nonzero(idx == e)  # tokens routed to e (each at most once)
                 if raw is not None:
                     out = ffn_record(x[rows], raw[int(e)], layout)  # [n, D]
-                    y[rows] += w[rows, slots][:, None] * out
-                    continue
-                a = arrays[int(e)]
-                out = K.expert_ffn(x[rows], a["gate.weight"], a["gate.scales"], a["gate.biases"],
-                                   a["up.weight"], a["up.scales"], a["up.biases"],
-                                   a["down.weight"], a["down.scales"], a["down.biases"], bits, gs)  # [n, D]
-                y[rows] += w[rows, slots][:, None] * out
+                else:
+                    out = K.expert_ffn(x[rows], a["gate.weight"], a["gate.scales"], a["gate.biases"],
+                                       a["up.weight"], a["up.scales"], a["up.biases"],
+                                       a["down.weight"], a["down.scales"], a["down.biases"], bits, gs)  # [n, D]
+                outs[int(e)] = (rows, w[rows, slots][:, None] * out)
+            for e in batches[bi]:
+                rows, contribution = outs[int(e)]
+                y[rows] += contribution
         times.io_wait_s += reader.stats.wait_s - wait0
         times.experts_read += len(experts)
         times.bytes_read += len(experts) * reader.packed.layout(self.layer).record_size
