@@ -98,9 +98,14 @@ class MetalExecutor:
         if n and addr % _PAGE == 0 and n % _PAGE == 0:
             buf = self._nocopy.get((addr, n))
             if buf is None:
-                buf = self.device.newBufferWithBytesNoCopy_length_options_deallocator_(
-                    a, n, self._M.MTLResourceStorageModeShared, None)
+                try:  # a read-only array (a record used in place from a read-only mapping) may be refused
+                    buf = self.device.newBufferWithBytesNoCopy_length_options_deallocator_(
+                        a, n, self._M.MTLResourceStorageModeShared, None)
+                except (TypeError, ValueError, BufferError):
+                    buf = None
                 if buf is not None:
+                    if len(self._nocopy) >= 4096:  # wrappers of records used in place: keep the table bounded
+                        self._nocopy.clear()
                     self._nocopy[(addr, n)] = buf
             if buf is not None:
                 return buf, False
