@@ -215,3 +215,12 @@ def test_unknown_executor_is_a_clear_error():
 
     with pytest.raises(MoepackError, match="unknown executor"):
         make_executor("vulkan")
+
+
+def test_metal_emu_without_clang_is_a_one_line_error(tmp_path):
+    import os
+
+    env = {**os.environ, "MOEPACK_CLANG": str(tmp_path / "no-such-clang")}
+    r = _cli("selftest", "--backend", "metal-emu", env=env)
+    assert r.returncode != 0 and "Traceback" not in r.stderr
+    assert "clang 19 or newer not found" in r.stderr and "apt-get install -y clang-19" in r.stderr

@@ -15,7 +15,9 @@ ENV_SCHEDULE = "MOEPACK_EMU_SCHEDULE"  # forward | reverse | random: the emulato
 def make_executor(name: str) -> Executor:
     if name == "metal-emu":
         from .emulator import Emulator
+        from .emulator.build import clang
 
+        clang()  # no clang-19: one clear error now, not one per kernel later
         return Emulator(schedule=os.environ.get(ENV_SCHEDULE, "forward"))
     if name == "cuda":
         from .executor_cuda import CudaExecutor
