@@ -311,3 +311,38 @@ def test_read_only_inputs():
         a.flags.writeable = False
     assert np.array_equal(KN.qmatmul(x, w, s, b, 4, 64), expect)
     assert np.array_equal(KN.qembedding(np.array([3, 1]), w, s, b, 4, 64), REF.qembedding([3, 1], w, s, b, 4, 64))
+
+
+@pytest.mark.parametrize("bits", [2, 4, 8])  # 8: the row kernels, unscaled x
+@pytest.mark.parametrize("scale", [1e-20, 1e20])
+def test_qmatmul_one_token_prescaled_x_keeps_its_precision(bits, scale):
+    # one token: x is pre-scaled by 2^(-bits*k) per code position (exact unless it drops below float32's
+    # normal range, ~1e-38 * 2^28); tiny and huge activations still meet the usual bound
+    r = rng("prescale", bits, scale)
+    gs = 64
+    w, s, b = qweights(r, 40, 512, bits, gs)
+    x = (r.standard_normal((1, 512)) * scale).astype(np.float32)
+    y = KN.qmatmul(x, w, s, b, bits, gs)
+    err = np.abs(y.astype(np.float64) - REF.qmatmul(x, w, s, b, bits, gs)) / term_scale(x, w, s, b, bits, gs)
+    assert err.max() <= 1e-5, err.max()
+
+
+@pytest.mark.parametrize("bits", [2, 4, (4, 2, 4), (2, 4, 8)])
+@pytest.mark.parametrize("gs", [32, 64, 128])
+def test_token_by_token_kernels_for_many_tokens(bits, gs, monkeypatch):
+    # T >= 4 takes the token-by-token kernels only for wide inputs; force them on small shapes, with tiles
+    # of 4 tokens (T=9: two full tiles + 1), for qmatmul and the fused gate/up of expert_ffn (mixed widths:
+    # gate and up of different bits; an 8-bit down projection takes the row kernel)
+    monkeypatch.setattr(KN, "_ROW4_MAX_IN", 0)
+    monkeypatch.setattr(KN, "_XTILE_BYTES", 4 * 4 * 256)
+    r = rng("one-by-one", str(bits), gs)
+    gb, ub, db = (bits,) * 3 if isinstance(bits, int) else bits
+    w, s, b = qweights(r, 37, 256, gb, gs)
+    x = r.standard_normal((9, 256)).astype(np.float32)
+    err = np.abs(KN.qmatmul(x, w, s, b, gb, gs).astype(np.float64) - REF.qmatmul(x, w, s, b, gb, gs))
+    assert (err / term_scale(x, w, s, b, gb, gs)).max() <= 1e-5
+    I = 128
+    gate, up, down = qweights(r, I, 256, gb, gs), qweights(r, I, 256, ub, gs), qweights(r, 256, I, db, gs)
+    ref = REF.expert_ffn(x, *gate, *up, *down, bits, gs)
+    y = KN.expert_ffn(x, *gate, *up, *down, bits, gs)
+    assert np.abs(y - ref).max() <= 2e-5 * np.abs(ref).max()
