@@ -272,3 +272,30 @@ def test_completed_yields_each_expert_once_with_its_bytes_and_reports_a_failed_r
         monkeypatch.setattr(reader, "_read_pread", flaky)
         with pytest.raises(OSError, match="Input/output"):
             list(reader.submit(0, experts, slot=1).completed())
+
+
+@pytest.mark.parametrize("probe", ["cachestat", "mincore-only"])
+def test_hybrid_reads_a_mostly_missing_record_in_one_pread(synth, probe, monkeypatch):
+    """A record with only a small cached prefix (what readahead leaves behind) is one pread, not copy + pread."""
+    pm, path, data = synth
+    size = pm.layout(0).record_size
+    n = size // PAGE_SIZE
+    if probe == "mincore-only":
+        monkeypatch.setattr(residency, "_CACHESTAT_NR", None)
+    evict(path)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
+        os.preadv(fd, [bytearray(32 * PAGE_SIZE)], 4 * size)  # the first 32 of n pages of record 4
+    finally:
+        os.close(fd)
+    with FileMap(path) as fm:
+        if int(fm.resident(4 * size, size).sum()) != 32:
+            pytest.skip("could not set the page state precisely")
+    with ExpertReader(pm, io="hybrid", threads=1) as reader:
+        got = reader.read(0, [4])[4]
+        st = reader.stats
+    raw = np.concatenate([got[c.name].view(np.uint8).reshape(-1) for c in pm.layout(0).components])
+    assert raw.tobytes() == data[4 * size: 4 * size + raw.nbytes]
+    assert 32 < n // 2
+    assert (st.pread_calls, st.pread_bytes, st.copied_bytes) == (1, size, 0)
