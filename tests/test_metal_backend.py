@@ -91,17 +91,23 @@ def test_launch_plan_checks_and_groups_every_dispatch(packed):
     with load_model(path, backend="numpy") as m:
         n_layers = len(m.decoder.layers)
         k = m.experts_per_token
+        row = -(-m.packed.layout(0).record_size // (2 << 20)) * (2 << 20)  # the reader's 2 MiB-aligned rows
     phases = [(cb["layer"], cb["phase"]) for cb in plan["decode"]]
     want = [(None, "embed")] + [(i, p) for i in range(n_layers) for p in ("attention", "routing", "experts")] + \
         [(None, "head")]
     assert phases == want
     assert plan["decode_launches"] == sum(len(cb["launches"]) for cb in plan["decode"])
-    # per MoE layer: K routed experts, each one fused gate/up + one down launch straight from its record
+    # per MoE layer in decode: the K routed experts in one fused gate/up launch and one down launch, straight
+    # from the reader's record rows (uint8 [K, row]), then one moe_combine onto the shared expert's part
     for cb in plan["decode"]:
         if cb["phase"] == "experts":
             names = [x["kernel"] for x in cb["launches"]]
-            assert names.count("gate_up_swiglu_rec") == k
-            assert sum(n.startswith("qmv_rec_b2") for n in names) == k
+            assert names.count("gate_up_swiglu_rec") == 1 and names.count("qmv_rec_b2") == 1
+            assert names[-1] == "moe_combine"
+            rec = next(x for x in cb["launches"] if x["kernel"] == "gate_up_swiglu_rec")["buffers"]["1"]
+            assert rec == f"uint8[{k * row}]"  # the K rows, flattened
+    # the prefill (3 tokens routed to different experts) keeps one launch pair per expert
+    assert plan["prefill_launches"] > plan["decode_launches"]
     text = format_plan(plan)
     assert "router_topk_f32" in text and "layer 0" in text
 

@@ -100,13 +100,15 @@ class Pending:
     """The reads of one submit(); ``wait()`` returns {expert_id: {component: array view}}."""
 
     def __init__(self, reader: "ExpertReader", layer: int, experts: list[int], futures: list[Future],
-                 records: list[np.ndarray], groups: list[list[Future]] | None = None):
+                 records: list[np.ndarray], groups: list[list[Future]] | None = None,
+                 block: np.ndarray | None = None):
         self._reader = reader
         self.layer = layer
         self.experts = experts
         self._futures = futures
         self._records = records
         self._groups = groups  # per expert (same order): the read tasks filling its record ([] when in place)
+        self._block = block  # [n, stride] uint8: row i holds expert i's record (None: some were used in place)
         self._result: dict[int, dict[str, np.ndarray]] | None = None
 
     def done(self) -> bool:
@@ -161,6 +163,14 @@ class Pending:
                 g -= done
             ready = [i for i, g in todo.items() if not g]
 
+    def record_block(self) -> np.ndarray | None:
+        """After the reads: all records of the request as one uint8 [n, stride] array (row i = experts[i], the
+        record at the start of each 2 MiB-aligned row), or None when some record was used in place."""
+        if self._block is None:
+            return None
+        self.wait()
+        return self._block
+
     def records(self) -> dict[int, np.ndarray]:
         """{expert_id: the raw record bytes (uint8, inside a 2 MiB-aligned buffer)} after wait(); same lifetime
         as wait()'s views. GPU backends hand these to their kernels whole (no copy on unified memory)."""
@@ -202,7 +212,8 @@ class ExpertReader:
         self._record_max = max((packed_model.layout(e.layer).record_size for e in packed_model.manifest.layers),
                                default=0)
         self._pool = ThreadPoolExecutor(max_workers=max(threads, split), thread_name_prefix="moepack-io")
-        self._buffers: dict[int, list[np.ndarray]] = {}  # slot -> record buffers
+        self._buffers: dict[int, list[np.ndarray]] = {}  # slot -> record buffers (rows of _blocks[slot])
+        self._blocks: dict[int, np.ndarray] = {}  # slot -> [rows, row_stride] uint8 block (2 MiB-aligned rows)
         self._inflight: dict[int, Pending] = {}  # slot -> last request on it
         self._fds: dict[int, int] = {}  # layer -> fd opened for this mode ('direct')
         self._maps: dict[int, FileMap] = {}  # layer -> mapping ('mmap', 'hybrid')
@@ -233,9 +244,7 @@ class ExpertReader:
         prev = self._inflight.pop(slot, None)
         if prev is not None:
             prev._drain()  # the buffers of this slot are about to be overwritten
-        bufs = self._buffers.setdefault(slot, [])
-        while len(bufs) < len(experts):
-            bufs.append(record_buffer(self._record_max, self.buffer_align))
+        bufs = self._slot_buffers(slot, len(experts))
         read = self._reader_for(layer)
         chunks = self._chunks.get(size)
         if chunks is None:
@@ -254,7 +263,9 @@ class ExpertReader:
             records.append(rec)
             groups.append([self._pool.submit(read, layer, e * size + a, rec[a:b]) for a, b in chunks])
             futures += groups[-1]
-        pending = Pending(self, layer, experts, futures, records, groups)
+        block = self._blocks.get(slot) if used == len(experts) else None  # every record in rows 0..n-1
+        pending = Pending(self, layer, experts, futures, records, groups,
+                          None if block is None else block[: len(experts)])
         self._inflight[slot] = pending
         self.stats.requests += 1
         self.stats.reads += len(experts)
@@ -268,6 +279,24 @@ class ExpertReader:
 
     def buffer_bytes(self) -> int:
         return sum(b.nbytes for bufs in self._buffers.values() for b in bufs)
+
+    def _slot_buffers(self, slot: int, n: int) -> list[np.ndarray]:
+        """At least n record buffers for `slot`: the rows of one block whose row stride is the largest record
+        rounded up to the buffer alignment, so every row stays 2 MiB-aligned and a request's records also
+        form one [n, stride] array (GPU kernels take a batch of experts that way). Grown by replacement: the
+        previous request on the slot is finished, and its arrays are invalid from this submit on anyway."""
+        bufs = self._buffers.get(slot, [])
+        if len(bufs) >= n:
+            return bufs
+        if self.buffer_align < BUFFER_ALIGN:  # bench-io's 16 KiB-aligned destinations: separate buffers
+            bufs = bufs + [record_buffer(self._record_max, self.buffer_align) for _ in range(n - len(bufs))]
+        else:
+            stride = -(-self._record_max // self.buffer_align) * self.buffer_align
+            block = aligned_empty(n * stride, self.buffer_align).reshape(n, stride)
+            self._blocks[slot] = block
+            bufs = [block[i] for i in range(n)]
+        self._buffers[slot] = bufs
+        return bufs
 
     def close(self) -> None:
         if self._closed:
@@ -284,6 +313,7 @@ class ExpertReader:
             m.close()
         self._maps.clear()
         self._buffers.clear()
+        self._blocks.clear()
 
     def __enter__(self):
         return self

@@ -121,6 +121,19 @@ class GpuKernels:
             return kernels_ref.expert_ffn(x, *parts, bits, layout.components[0].group_size)
         return ops_quant.expert_ffn_record(self._recording(), x, record, layout)
 
+    def moe_experts(self, x, block, layout):
+        """Every routed expert of a request on the same tokens, in two launches: block uint8 [n, stride] (the
+        reader's record rows, Pending.record_block()), x [T, D] -> [n, T, D]."""
+        bits = tuple(layout.proj_bits(p) for p in ("gate", "up", "down"))
+        if any(v not in ops_quant.KERNEL_BITS for v in bits):
+            self.cpu_fallbacks += 1
+            return np.stack([self.expert_ffn_record(x, row, layout) for row in block])
+        return ops_quant.expert_ffn_record(self._recording(), x, block, layout)
+
+    def moe_combine(self, residual, y, weights):
+        """residual [T, D] + sum_k weights[t, k] * y[t, k] (y [T, K, D]) in one launch."""
+        return ops_quant.moe_combine(self._recording(), residual, y, weights)
+
     def qembedding(self, ids, w, scales, biases, bits, group_size):
         if bits not in ops_quant.KERNEL_BITS:
             self.cpu_fallbacks += 1

@@ -322,6 +322,14 @@ class MoeBlock:
             if bi + 1 < len(batches):  # the other slot's request (batch bi-1) is fully consumed by now
                 pending = reader.submit(self.layer, batches[bi + 1], slot=(bi + 1) % 2)
             raw = current.records() if ffn_record is not None else None
+            block = current.record_block() if raw is not None and T == 1 else None
+            if block is not None and hasattr(K, "moe_combine"):
+                # GPU decode: every expert of the batch in two launches straight from the record rows, then one
+                # launch adds them to the shared expert's part: y + sum_k w_k * y_k
+                ys = K.moe_experts(x, block, layout)  # [n, 1, D]
+                wk = np.array([[w[0, int(np.flatnonzero(idx[0] == e)[0])] for e in batches[bi]]], np.float32)
+                y = K.moe_combine(y, ys.reshape(1, len(batches[bi]), D), wk)  # [1, D]
+                continue
             # each expert as soon as its record is in (compute overlaps the reads still running); the results
             # are added in expert order, so the sum does not depend on which read finished first
             outs = {}
