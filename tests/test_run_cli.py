@@ -2,6 +2,7 @@
 mlx-lm's on the source checkpoint, logits dumps, JSON, streaming, and one-line errors for bad input."""
 
 import json
+import os
 import shutil
 
 import numpy as np
@@ -313,3 +314,22 @@ def test_help_has_examples(capsys, cmd):
     if cmd == "run":
         for flag in ("--prompt", "--prompt-ids", "--raw", "--dump-logits", "--json"):
             assert flag in out
+
+
+@pytest.mark.parametrize("io, want", [("pread", {"OMP_WAIT_POLICY": "PASSIVE"}), ("hybrid:2", {"OMP_WAIT_POLICY": "PASSIVE"}),
+                                      ("mapped", {"GOMP_SPINCOUNT": "30000"})])
+def test_openmp_wait_follows_the_io_mode_and_never_overrides_the_user(monkeypatch, io, want):
+    """Reader threads need the cores (sleeping kernel threads); in-place mapped reads need none (brief spin)."""
+    from moepack.cli.run_cmd import _openmp_wait
+
+    for k in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT"):
+        monkeypatch.setenv(k, "x")  # so that monkeypatch restores the original state afterwards
+        monkeypatch.delenv(k)
+    _openmp_wait(io)
+    assert {k: os.environ.get(k) for k in want} == want
+    other = {"OMP_WAIT_POLICY", "GOMP_SPINCOUNT"} - set(want)
+    assert all(k not in os.environ for k in other)
+    monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")  # the user's choice stands
+    monkeypatch.delenv("GOMP_SPINCOUNT", raising=False)
+    _openmp_wait(io)
+    assert os.environ["OMP_WAIT_POLICY"] == "ACTIVE" and "GOMP_SPINCOUNT" not in os.environ

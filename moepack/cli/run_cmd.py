@@ -90,12 +90,23 @@ def _warnings_as_lines():
         yield
 
 
-def _passive_openmp() -> None:
-    """Idle OpenMP threads sleep instead of spinning (unless the user chose otherwise). Spinning threads of
-    the numba kernels take the cores the expert-reading threads need: measured with benchmarks/decode.py,
-    warm decode at K=10 went from 20 to 39 tok/s on 16 cores, and from ~6 to ~20 tok/s on a busy 2-core VM.
-    Must run before the first parallel kernel starts the OpenMP runtime."""
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+def _openmp_wait(io: str) -> None:
+    """How idle OpenMP threads of the numba kernels wait (unless the user chose): must run before the first
+    parallel kernel starts the OpenMP runtime.
+
+    Reading threads need the cores: with pread/direct/hybrid/mmap the kernels' idle threads sleep
+    (OMP_WAIT_POLICY=PASSIVE). Measured with benchmarks/decode.py: warm K=10 decode went from 20 to 39 tok/s
+    on 16 cores and from ~6 to ~20 on a busy 2-core VM when spinning threads stopped starving the readers.
+    With --io mapped, cached experts need no reading thread, so the idle threads spin briefly
+    (GOMP_SPINCOUNT=30000, ~tens of microseconds) before sleeping: the next kernel of the token, launched a
+    few microseconds later, then finds them awake. Measured: in RAM 58-64 vs 41-44 tok/s (2 cores, K=4), warm
+    1 layer K=10 169 vs 146 tok/s (16 cores); with pread the same spinning fell from 102 to 46 tok/s."""
+    if "OMP_WAIT_POLICY" in os.environ or "GOMP_SPINCOUNT" in os.environ:
+        return
+    if str(io).partition(":")[0] == "mapped":
+        os.environ["GOMP_SPINCOUNT"] = "30000"
+    else:
+        os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
 
 
 def _warn(message: str) -> None:
@@ -179,7 +190,7 @@ def run_cmd(packed, revision, prompt, prompt_ids, raw, max_tokens, temperature, 
       moepack run ./q397-2bit --prompt-ids "1,2,3" --max-tokens 0 --dump-logits logits.npy
       moepack run me/Qwen3.5-397B-A17B-moepack-2bit --prompt "Hi"   # pulled, verified once, cached
     """
-    _passive_openmp()
+    _openmp_wait(io)
     from ..hub.pull import resolve_packed
     from ..runtime.generate import run
 
@@ -240,7 +251,7 @@ def chat_cmd(packed, revision, max_tokens, temperature, top_p, top_k, seed, expe
       moepack chat ./q397-2bit
       moepack chat ./q397-2bit --session chat.npz --experts-per-token 4 --temperature 0.7 --top-p 0.9
     """
-    _passive_openmp()
+    _openmp_wait(io)
     import numpy as np
 
     from ..hub.pull import resolve_packed
