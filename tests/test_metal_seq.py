@@ -505,3 +505,23 @@ def test_convenience_signatures_match_the_reference():
 def test_user_mistakes_are_shape_errors(call, match):
     with pytest.raises(ShapeError, match=match):
         call()
+
+
+@pytest.mark.parametrize("op, args", [
+    ("attention", (np.zeros((1, 3, 8), np.float32), np.zeros((4, 2, 8), np.float32), np.zeros((4, 2, 8), np.float32),
+                   [0], 1.0)),
+    ("rope", (np.zeros((1, 1, 8), np.float32), [0], 5, 1e4)),
+    ("router_topk", (np.zeros((1, 4), np.float32), 5, True)),
+    ("gated_delta", (np.zeros((1, 1, 8), np.float32), np.zeros((1, 1, 8), np.float32), np.zeros((1, 3, 2), np.float32),
+                     np.zeros((1, 2), np.float32), np.zeros((1, 2), np.float32), np.zeros((3, 2, 8), np.float32))),
+])
+def test_both_fast_backends_reject_a_mistake_with_the_same_message(op, args):
+    """The shape contracts live once (moepack.runtime.shapes): numba and Metal say the same thing."""
+    from moepack.runtime import kernels_numba
+    from moepack.runtime.metal.plan import PlanExecutor
+
+    with pytest.raises(ShapeError) as numba_err:
+        getattr(kernels_numba, op)(*args)
+    with pytest.raises(ShapeError) as metal_err:
+        getattr(ops_seq, op)(PlanExecutor(), *args)
+    assert numba_err.value.message == metal_err.value.message

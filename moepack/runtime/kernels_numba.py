@@ -62,6 +62,7 @@ from numba import njit, prange
 from ..errors import ShapeError
 from ..quant.affine_ref import check_bits, check_group_size
 from .kernels_ref import __all__  # noqa: F401  the kernel contract: the same names as the reference
+from .shapes import check_attention, check_gated_delta, check_rope, check_router_k
 
 # error_model="numpy": no Python-style ZeroDivisionError checks, which would block vectorisation.
 _JIT = dict(cache=True, nogil=True, error_model="numpy")
@@ -694,11 +695,7 @@ def rope(x, positions, rotary_dim, base) -> np.ndarray:
     x = _act(x, "rope: x", 3)
     T, H, hd = x.shape
     pos = _ro(np.ascontiguousarray(positions, dtype=np.float32))
-    if pos.shape != (T,):
-        raise ShapeError(f"rope: positions have shape {pos.shape}, expected ({T},)")
-    rotary_dim = int(rotary_dim)
-    if rotary_dim < 0 or rotary_dim % 2 or rotary_dim > hd:
-        raise ShapeError(f"rope: rotary_dim {rotary_dim} must be even and at most the head dim {hd}")
+    rotary_dim = check_rope(x.shape, pos, rotary_dim)
     half = rotary_dim // 2
     # the reference's expression, evaluated by numpy, so both backends turn by the same float32 angles
     inv_freq = np.exp(np.arange(half, dtype=np.float32) * np.float32(-np.log(base) / max(half, 1)))
@@ -772,17 +769,8 @@ def attention(q, k, v, q_positions, scale) -> np.ndarray:
     q = _act(q, "attention: q", 3)
     k = _act(k, "attention: k", 3)
     v = _act(v, "attention: v", 3)
-    T, Hq, hd = q.shape
-    S, Hkv, _ = k.shape
-    if v.shape != k.shape or k.shape[2] != hd:
-        raise ShapeError(f"attention: q {q.shape}, k {k.shape}, v {v.shape}: expected k, v [S, Hkv, {hd}]")
-    if Hkv == 0 or Hq % Hkv:
-        raise ShapeError(f"attention: {Hq} query heads are not a multiple of {Hkv} kv heads")
     pos = _ro(np.ascontiguousarray(q_positions, dtype=np.int64))
-    if pos.shape != (T,):
-        raise ShapeError(f"attention: q_positions have shape {pos.shape}, expected ({T},)")
-    if T and (pos.min() < 0 or pos.max() >= S):
-        raise ShapeError(f"attention: query positions must lie in [0, {S}) (the keys in the cache)")
+    T, Hq, hd, S, Hkv = check_attention(q, k, v, pos)
     out = np.empty_like(q)
     if q.size:
         rep = Hq // Hkv
@@ -886,14 +874,7 @@ def gated_delta(q, k, v, g, beta, state):
     g = _act(g, "gated_delta: g", 2)
     beta = _act(beta, "gated_delta: beta", 2)
     state = _act(state, "gated_delta: state", 3)
-    T, Hk, dk = q.shape
-    _, Hv, dv = v.shape
-    if k.shape != q.shape or v.shape[0] != T:
-        raise ShapeError(f"gated_delta: q {q.shape}, k {k.shape}, v {v.shape} disagree")
-    if Hk == 0 or Hv % Hk:
-        raise ShapeError(f"gated_delta: {Hv} value heads are not a multiple of {Hk} key heads")
-    if g.shape != (T, Hv) or beta.shape != (T, Hv):
-        raise ShapeError(f"gated_delta: g {g.shape} and beta {beta.shape} must be ({T}, {Hv})")
+    T, Hk, dk, Hv, dv = check_gated_delta(q, k, v, g, beta)
     if state.shape != (Hv, dv, dk):
         raise ShapeError(f"gated_delta: state has shape {state.shape}, expected ({Hv}, {dv}, {dk})")
     out = np.empty((T, Hv, dv), dtype=np.float32)
@@ -955,9 +936,7 @@ def router_topk(logits, k, norm_topk_prob):
     """
     logits = _act(logits, "router_topk: logits", 2)
     T, E = logits.shape
-    k = int(k)
-    if not 1 <= k <= E:
-        raise ShapeError(f"router_topk: k = {k} must lie in [1, {E}] (the number of experts)")
+    k = check_router_k(k, E)
     idx = np.empty((T, k), dtype=np.int32)
     wts = np.empty((T, k), dtype=np.float32)
     if T:

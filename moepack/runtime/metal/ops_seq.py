@@ -20,6 +20,7 @@ from __future__ import annotations
 import numpy as np
 
 from ...errors import ShapeError
+from ..shapes import check_attention, check_gated_delta, check_rope, check_router_k
 from .dispatch import Dispatch, Executor
 
 NORM_PER = 8  # norm.metal: row values a thread keeps in registers
@@ -183,12 +184,7 @@ def rope_dispatch(x, positions, rotary_dim, base, *, out=None) -> list[Dispatch]
     x = _act(x, "rope: x", 3)
     T, H, hd = x.shape
     pos = np.ascontiguousarray(positions, dtype=np.float32)
-    if pos.shape != (T,):
-        raise ShapeError(f"rope: positions have shape {pos.shape}, expected ({T},)", hint=_HINT)
-    rotary_dim = int(rotary_dim)
-    if rotary_dim < 0 or rotary_dim % 2 or rotary_dim > hd:
-        raise ShapeError(f"rope: rotary_dim {rotary_dim} must be even and at most the head dim {hd}",
-                         hint="check partial_rotary_factor in config.json")
+    rotary_dim = check_rope(x.shape, pos, rotary_dim)
     half = rotary_dim // 2
     if half > ROPE_MAX_HALF:
         raise ShapeError(f"rope: rotary_dim {rotary_dim} exceeds the kernel's {2 * ROPE_MAX_HALF}",
@@ -238,22 +234,11 @@ def attention_dispatch(q, k, v, q_positions, scale, *, out=None, splits: int | N
     q = _act(q, "attention: q", 3)
     k = _act(k, "attention: k", 3)
     v = _act(v, "attention: v", 3)
-    T, Hq, hd = q.shape
-    S, Hkv, _ = k.shape
-    if v.shape != k.shape or k.shape[2] != hd:
-        raise ShapeError(f"attention: q {q.shape}, k {k.shape}, v {v.shape}: expected k, v [S, Hkv, {hd}]",
-                         hint=_HINT)
-    if Hkv == 0 or Hq % Hkv:
-        raise ShapeError(f"attention: {Hq} query heads are not a multiple of {Hkv} kv heads", hint=_HINT)
+    pos = np.asarray(q_positions)
+    T, Hq, hd, S, Hkv = check_attention(q, k, v, pos)
     if hd > ATT_MAX_HD:
         raise ShapeError(f"attention: head dim {hd} exceeds the kernel's {ATT_MAX_HD}",
                          hint="run this model with --backend numba")
-    pos = np.asarray(q_positions)
-    if pos.shape != (T,):
-        raise ShapeError(f"attention: q_positions have shape {pos.shape}, expected ({T},)", hint=_HINT)
-    if T and (pos.min() < 0 or pos.max() >= S):
-        raise ShapeError(f"attention: query positions must lie in [0, {S}) (the keys in the cache)",
-                         hint="update the KV cache with this call's keys before attending")
     pos = np.ascontiguousarray(pos, dtype=np.int32)
     y = _out(out, q.shape, "attention")
     _fits_u32("attention", q.size, k.size)
@@ -343,14 +328,7 @@ def gated_delta_dispatch(q, k, v, g, beta, state, *, out=None) -> list[Dispatch]
     v = _act(v, "gated_delta: v", 3)
     g = _act(g, "gated_delta: g", 2)
     beta = _act(beta, "gated_delta: beta", 2)
-    T, Hk, dk = q.shape
-    _, Hv, dv = v.shape
-    if k.shape != q.shape or v.shape[0] != T:
-        raise ShapeError(f"gated_delta: q {q.shape}, k {k.shape}, v {v.shape} disagree", hint=_HINT)
-    if Hk == 0 or Hv % Hk:
-        raise ShapeError(f"gated_delta: {Hv} value heads are not a multiple of {Hk} key heads", hint=_HINT)
-    if g.shape != (T, Hv) or beta.shape != (T, Hv):
-        raise ShapeError(f"gated_delta: g {g.shape} and beta {beta.shape} must be ({T}, {Hv})", hint=_HINT)
+    T, Hk, dk, Hv, dv = check_gated_delta(q, k, v, g, beta)
     if dk > DELTA_MAX_DK:
         raise ShapeError(f"gated_delta: key head dim {dk} exceeds the kernel's {DELTA_MAX_DK}",
                          hint="run this model with --backend numba")
@@ -391,10 +369,7 @@ def router_topk_dispatch(logits, k, norm_topk_prob, *, idx=None, weights=None) -
     logits: f32 [T, E]  ->  idx int32 [T, k] (args[1]), weights f32 [T, k] (args[2])."""
     logits = _act(logits, "router_topk: logits", 2)
     T, E = logits.shape
-    k = int(k)
-    if not 1 <= k <= E:
-        raise ShapeError(f"router_topk: k = {k} must lie in [1, {E}] (the number of experts)",
-                         hint="check num_experts_per_tok in config.json or --top-k")
+    k = check_router_k(k, E)
     if E > ROUTER_MAX_E or k > ROUTER_MAX_K:
         raise ShapeError(f"router_topk: {E} experts, top {k}: the kernel takes at most {ROUTER_MAX_E} experts "
                          f"and top {ROUTER_MAX_K}", hint="run this model with --backend numba")
