@@ -26,12 +26,11 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from moepack.runtime.metal import sources
 from moepack.runtime.metal.dispatch import KernelError
-from moepack.runtime.metal.emulator.build import METAL_VERSION_DEFINE, compile_cached, preprocess
+from moepack.runtime.metal.emulator.build import METAL_VERSION_DEFINE, compile_cached, parsed_source
 from moepack.runtime.metal.emulator.library import scalar_argument, pointee
 from moepack.runtime.metal.emulator.rewrite import rewrite
-from moepack.runtime.metal.signature import BUILTINS, KernelSignature, Param, parse_kernels
+from moepack.runtime.metal.signature import BUILTINS, KernelSignature, Param
 
 DEFAULT_ARCH = "sm_90"
 KERNEL_PREFIX = "moepack_kernel_"  # the kernel body's C++ name; the __global__ entry takes the plain name
@@ -149,12 +148,7 @@ def _ptx_params(sig: KernelSignature) -> tuple[PtxParam, ...]:
 
 def compile_ptx(source: str | Path, arch: str = DEFAULT_ARCH) -> PtxModule:
     """PTX for every kernel of one .metal file (a name inside metal/ or a path), cached by content."""
-    path, raw = sources.read_source(source)
-    text = preprocess(path, raw)
-    kernels = parse_kernels(text, path.name)
-    if not kernels:
-        raise KernelError(f"{path.name}: no `kernel void` entry point found",
-                          hint="a .metal file must define at least one kernel")
+    path, text, kernels = parsed_source(source)
     body = rewrite(text, path.name, cuda_kernel_prefix=KERNEL_PREFIX)
     full = f"#include <metal_stdlib>\n{body}{cuda_glue(kernels)}"
     out, built = compile_cached(full, cuda_flags(arch), ".ptx", f"{path.name} (PTX {arch})", path)

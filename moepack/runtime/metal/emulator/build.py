@@ -141,3 +141,18 @@ def preprocess(path: Path, text: str) -> str:
         f.write(result)
     os.replace(tmp, out)
     return result
+
+
+def parsed_source(source) -> tuple[Path, str, dict]:
+    """(path, preprocessed text, {kernel name: KernelSignature}) of one .metal file (a name inside metal/ or a
+    path): what both the emulator and the PTX path compile. A file without a kernel is an error."""
+    from moepack.runtime.metal import sources
+    from moepack.runtime.metal.signature import parse_kernels
+
+    path, raw = sources.read_source(source)
+    text = preprocess(path, raw)
+    kernels = parse_kernels(text, path.name)
+    if not kernels:
+        raise KernelError(f"{path.name}: no `kernel void` entry point found",
+                          hint="a .metal file must define at least one kernel")
+    return path, text, kernels

@@ -17,11 +17,10 @@ from typing import Any
 
 import numpy as np
 
-from moepack.runtime.metal import sources
 from moepack.runtime.metal.dispatch import Dispatch, KernelError
-from moepack.runtime.metal.emulator.build import METAL_VERSION_DEFINE, compile_cached, preprocess
+from moepack.runtime.metal.emulator.build import METAL_VERSION_DEFINE, compile_cached, parsed_source
 from moepack.runtime.metal.emulator.rewrite import rewrite
-from moepack.runtime.metal.signature import BUILTINS, KernelSignature, Param, parse_kernels
+from moepack.runtime.metal.signature import BUILTINS, KernelSignature, Param
 
 CPU_FLAGS = ["-x", "c++", "-std=c++14", METAL_VERSION_DEFINE, "-Werror=c++17-extensions", "-O2", "-fPIC", "-shared",
              "-fno-strict-aliasing", "-fno-exceptions", "-fno-rtti", "-Wno-unknown-attributes"]
@@ -98,12 +97,7 @@ class Library:
 
     @classmethod
     def load(cls, source: str | Path, strict_address_spaces: bool = False) -> "Library":
-        path, raw = sources.read_source(source)
-        text = preprocess(path, raw)
-        kernels = parse_kernels(text, path.name)
-        if not kernels:
-            raise KernelError(f"{path.name}: no `kernel void` entry point found",
-                              hint="a .metal file for the emulator must define at least one kernel")
+        path, text, kernels = parsed_source(source)
         body = rewrite(text, path.name)
         full = f'#include <metal_stdlib>\n{body}{cpu_glue(kernels)}'
         flags = CPU_FLAGS + (STRICT_AS_FLAGS if strict_address_spaces else [])
