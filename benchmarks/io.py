@@ -11,7 +11,10 @@ runtime's ExpertReader in requests of K (`--batch`) records with `--threads` thr
    cold (page cache dropped with posix_fadvise DONTNEED);
 3. hybrid vs both with half the records resident (every other one warmed first);
 4. warm hybrid vs warm pread; also 'cached' (in the page cache but not yet read by this reader, so its mapping
-   has no page-table entries yet: mincore walks the page cache and the copy page-faults).
+   has no page-table entries yet: mincore walks the page cache and the copy page-faults);
+5. the same figures for 'mapped', the hybrid that hands wholly cached records over in place (no copy);
+6. warm pread into page-aligned and into misaligned buffers vs memcpy out of a mapping (why a copying
+   hybrid cannot beat a pread into aligned buffers by much).
 
     .venv/bin/python benchmarks/io.py [--gb 4] [--experts 128] [--reps 3] [--threads 4] [--batch 4] [--json]
                                       [--dir DIR] [--keep]
@@ -38,6 +41,8 @@ sys.path.insert(0, str(ROOT))
 from moepack.iobench import measure, pick_records, raw_direct_bandwidth, scratch_dir, synthetic_plan, write_synthetic_packed  # noqa: E402
 from moepack.layout.reader import PackedModel  # noqa: E402
 from moepack.runtime.residency import evict  # noqa: E402
+
+MODES = ("pread", "mmap", "hybrid", "mapped", "direct")
 
 
 def dd_bandwidth(path: Path, max_bytes: int = 1 << 30) -> float | None:
@@ -88,10 +93,50 @@ def main() -> None:
         print(report(res))
 
 
+def copy_vs_pread(path: Path, record: int, threads: int, n: int = 64) -> dict:
+    """Warm GB/s of the three ways to move a cached record into a buffer: pread into a page-aligned buffer,
+    pread into one 16 bytes off page alignment (a malloc'd buffer), and memcpy out of a mapping whose page
+    tables are already filled. Why the copying hybrid only ties pread here: see moepack/iobench.py."""
+    import mmap
+    import os
+    from concurrent.futures import ThreadPoolExecutor
+
+    import numpy as np
+
+    from moepack.layout.reader import aligned_empty
+
+    size = path.stat().st_size
+    n = min(n, size // record)
+    offs = [i * record for i in range(n)]
+    fd = os.open(path, os.O_RDONLY)
+    m = mmap.mmap(fd, 0, prot=mmap.PROT_READ)
+    try:
+        src = np.frombuffer(m, dtype=np.uint8)
+        aligned = [aligned_empty(record, 1 << 21) for _ in range(threads)]
+        unaligned = [aligned_empty(record + 4096, 1 << 21)[16 : 16 + record] for _ in range(threads)]
+        ways = {"pread_aligned": lambda i, b: os.preadv(fd, [b], offs[i]),
+                "pread_unaligned": lambda i, b: os.preadv(fd, [b], offs[i]),
+                "copy": lambda i, b: np.copyto(b, src[offs[i] : offs[i] + record])}
+        out = {}
+        with ThreadPoolExecutor(threads) as ex:
+            for name, fn in ways.items():
+                bufs = unaligned if name == "pread_unaligned" else aligned
+                for rep in range(2):  # the first pass warms the pages and the mapping's page tables
+                    t0 = time.perf_counter()
+                    list(ex.map(lambda i: fn(i, bufs[i % threads]), range(n)))
+                    dt = time.perf_counter() - t0
+                out[name] = n * record / dt / 1e9
+        return out
+    finally:
+        del src
+        m.close()
+        os.close(fd)
+
+
 def run(pm: PackedModel, a) -> dict:
     cells: dict[tuple[str, str], list[float]] = {}
     extra: dict[tuple[str, str], list[dict]] = {}
-    plan = [(m, s) for s in ("cold", "warm", "half", "cached") for m in ("pread", "mmap", "hybrid", "direct")
+    plan = [(m, s) for s in ("cold", "warm", "half", "cached") for m in MODES
             if not (m == "direct" and s in ("half", "cached"))]
     for rep in range(a.reps):
         picks = pick_records(pm, a.experts, seed=1000 + rep)
@@ -109,7 +154,7 @@ def run(pm: PackedModel, a) -> dict:
     dd = [x for x in (dd_bandwidth(path) for _ in range(max(1, a.reps))) if x]
     raw_gbs = statistics.median(raw)
     dd_gbs = statistics.median(dd) if dd else None
-    best_cold_mode = max(("pread", "mmap", "hybrid", "direct"), key=lambda m: med[(m, "cold")])
+    best_cold_mode = max(MODES, key=lambda m: med[(m, "cold")])
 
     def g(m, s):
         return med[(m, s)]
@@ -128,7 +173,17 @@ def run(pm: PackedModel, a) -> dict:
         "half_hybrid_vs_mmap": g("hybrid", "half") / g("mmap", "half"),
         "warm_hybrid_vs_warm_pread": g("hybrid", "warm") / g("pread", "warm"),
         "cached_hybrid_vs_cached_pread": g("hybrid", "cached") / g("pread", "cached"),
+        # the hybrid that uses wholly cached records in place (--io mapped): records made usable per second
+        "warm_mapped_vs_warm_pread": g("mapped", "warm") / g("pread", "warm"),
+        "warm_mapped_vs_better_pure": g("mapped", "warm") / better("warm"),
+        "cold_mapped_vs_better_pure": g("mapped", "cold") / better("cold"),
+        "half_mapped_vs_pread": g("mapped", "half") / g("pread", "half"),
+        "half_mapped_vs_mmap": g("mapped", "half") / g("mmap", "half"),
     }
+    copy = [copy_vs_pread(path, pm.layout(0).record_size, a.threads) for _ in range(max(1, a.reps))]
+    copy_med = {k: statistics.median(c[k] for c in copy) for k in copy[0]}
+    figures["warm_copy_vs_pread_aligned_dst"] = copy_med["copy"] / copy_med["pread_aligned"]
+    figures["warm_copy_vs_pread_unaligned_dst"] = copy_med["copy"] / copy_med["pread_unaligned"]
     probe = {s: statistics.median([e["probe_us"] for e in extra[("hybrid", s)]]) for s in ("cold", "warm", "half", "cached")}
     return {"record_size": pm.layout(0).record_size, "records_in_model": pm.manifest.moe.num_experts * len(pm.manifest.layers),
             "experts_per_cell": a.experts, "reps": a.reps, "threads": a.threads, "batch": a.batch,
@@ -136,6 +191,7 @@ def run(pm: PackedModel, a) -> dict:
             "gb_s_all": {f"{m}/{s}": v for (m, s), v in cells.items()},
             "hybrid_details": {s: extra[("hybrid", s)] for s in ("cold", "warm", "half", "cached")},
             "probe_us_per_record": probe,
+            "warm_copy_gb_s": copy_med,
             "raw_odirect_gb_s": raw_gbs, "dd_gb_s": dd_gbs, "best_cold_mode": best_cold_mode, "figures": figures}
 
 
@@ -145,13 +201,17 @@ def report(r: dict) -> str:
              f"{r['experts_per_cell']} random records per cell, requests of {r['batch']}, {r['threads']} threads, "
              f"median of {r['reps']}",
              f"{'GB/s':<8}" + "".join(f"{s:>9}" for s in ("cold", "warm", "half", "cached"))]
-    for m in ("pread", "mmap", "hybrid", "direct"):
+    for m in MODES:
         lines.append(f"{m:<8}" + "".join(f"{med[f'{m}/{s}']:>9.2f}" if f"{m}/{s}" in med else f"{'-':>9}"
                                          for s in ("cold", "warm", "half", "cached")))
     lines.append(f"raw sequential O_DIRECT 16 MiB reads: {r['raw_odirect_gb_s']:.2f} GB/s"
                  + (f"; dd iflag=direct bs=16M: {r['dd_gb_s']:.2f} GB/s" if r["dd_gb_s"] else ""))
     lines.append("hybrid residency check per record (cachestat, then mincore where partly cached): "
                  + ", ".join(f"{s} {v:.0f} us" for s, v in r["probe_us_per_record"].items()))
+    c = r["warm_copy_gb_s"]
+    lines.append(f"warm, {r['threads']} threads: pread into page-aligned buffers {c['pread_aligned']:.2f}, into buffers "
+                 f"16 B off alignment {c['pread_unaligned']:.2f}, memcpy out of a mapping {c['copy']:.2f} GB/s")
+    lines.append("mapped: wholly cached records are used in place (records made usable per second; nothing moves)")
     f = r["figures"]
     lines.append("figures (ratios, same run):")
     for k, v in f.items():

@@ -8,6 +8,14 @@ records, as decode issues them) and is timed end to end:
 * ``align``    16 KiB vs 2 MiB aligned destination buffers (warm, one thread);
 * ``half``     half of the records resident (every other one warmed first): where the hybrid should win.
 
+``mapped`` is the hybrid reader that hands a wholly cached record over in place (a view of the mapping: no
+bytes move), so its warm GB/s is "records made usable per second", not a copy rate; the kernels then read the
+weights from the page cache exactly as they would from a buffer. Why not copying is what wins warm: into the
+reader's page-aligned buffers a warm pread copies as fast as memcpy out of a mapping does (measured here, 4
+threads, 3.93 MB records: 11-14 GB/s both); the seeds' "mmap+copy 1.8x pread" shows only with a destination
+off page alignment (a malloc'd buffer: pread 4.1-4.4 vs memcpy 12.2-12.6 GB/s), where the kernel's copy
+slows down. So the copying hybrid ties pread when warm, and the in-place one does not copy at all.
+
 Cold: the layer files are dropped from the page cache first (Linux: posix_fadvise DONTNEED; macOS: msync
 MS_INVALIDATE); ``direct`` bypasses it (O_DIRECT / F_NOCACHE). Warm: the records are read once first. Each cold
 cell records how much of the files was still resident after the drop (``resident_before``). Warm: the records
@@ -50,7 +58,8 @@ from .runtime.residency import evict
 
 QWEN397 = MoeShape(num_layers=60, num_experts=512, experts_per_token=10, hidden=4096, moe_intermediate=1024)
 ALIGN_16K = 16 * 1024
-MODES = ("pread", "mmap", "hybrid", "direct")
+HALF_MODES = ("pread", "mmap", "hybrid", "mapped")  # the 'half' group: half of the records resident
+MODES = ("pread", "mmap", "hybrid", "mapped", "direct")
 
 
 # ------------------------------------------------------------------------------------------------ synthetic model
@@ -176,6 +185,7 @@ class Cell:
     probe_us: float | None = None  # hybrid: residency check per read (cachestat and/or mincore), mean
     mincore_us: float | None = None  # hybrid: mean time of one mincore scan (None: cachestat settled every read)
     copied_fraction: float | None = None  # hybrid: bytes copied from the mapping / bytes read
+    in_place_fraction: float | None = None  # mapped: records handed over in place (no bytes moved) / records
 
 
 def _layer_files(pm: PackedModel) -> list[Path]:
@@ -253,10 +263,14 @@ def measure(pm: PackedModel, picks, *, group: str, mode: str, state: str, thread
     nbytes = st.bytes_read
     cell = Cell(group, mode, io_used, state, threads, split, align, len(picks), nbytes, dt, nbytes / dt / 1e9,
                 dt * 1e3 / len(picks), resident)
-    if io_used == "hybrid":
-        cell.probe_us = (st.cachestat_s + st.mincore_s) / max(1, st.chunks) * 1e6
+    if io_used in ("hybrid", "mapped"):
+        # mapped probes each record once before deciding (in place or a hybrid read, which probes again)
+        probes = st.chunks if io_used == "hybrid" else st.reads + st.chunks
+        cell.probe_us = (st.cachestat_s + st.mincore_s) / max(1, probes) * 1e6
         cell.mincore_us = st.mincore_s / st.mincore_calls * 1e6 if st.mincore_calls else None
         cell.copied_fraction = st.copied_bytes / max(1, nbytes)
+    if io_used == "mapped":
+        cell.in_place_fraction = st.mapped_reads / max(1, st.reads)
     return cell
 
 
@@ -325,7 +339,7 @@ def bench(pm: PackedModel, *, threads=(1, 2, 4, 8), splits=(1, 2, 4, 8), experts
             plan += [("split", mode, state, tmax, s, BUFFER_ALIGN) for s in splits if s > 1]
     for mode in ("pread", "mmap", "hybrid"):
         plan += [("align", mode, "warm", 1, 1, a) for a in (ALIGN_16K, BUFFER_ALIGN)]
-    plan += [("half", mode, "half", tmax, 1, BUFFER_ALIGN) for mode in ("pread", "mmap", "hybrid")]
+    plan += [("half", mode, "half", tmax, 1, BUFFER_ALIGN) for mode in HALF_MODES]
     cells: list[Cell] = []
     cache_drops = prepare(pm, picks[:1], "cold")
     with progress_bar("bench-io", len(plan), unit_bytes=False, enabled=progress) as bar:
@@ -390,11 +404,19 @@ def store_path() -> Path:
 
 
 def _device_of(pm_or_path) -> str | None:
+    """The disk (st_dev) holding the model's first layer file: a PackedModel, a packed folder or a file."""
     pm = pm_or_path
     try:
-        path = pm.path / pm.manifest.layers[0].file if isinstance(pm, PackedModel) else Path(pm)
+        if isinstance(pm, PackedModel):
+            path = pm.path / pm.manifest.layers[0].file
+        elif Path(pm).is_dir():
+            from .layout.manifest import load_manifest
+
+            path = Path(pm) / load_manifest(pm).layers[0].file
+        else:
+            path = Path(pm)
         return str(os.stat(path).st_dev)
-    except (OSError, IndexError):
+    except (OSError, IndexError, MoepackError):
         return None
 
 
@@ -425,8 +447,9 @@ def save_recommendation(pm: PackedModel, rec: dict, synthetic: bool) -> Path:
     return path
 
 
-def recommended_io(pm: PackedModel) -> dict | None:
-    """The saved recommendation for `pm` (its folder, else its disk) with 'source' saying which; None if none."""
+def recommended_io(pm: PackedModel | str | os.PathLike) -> dict | None:
+    """The saved recommendation for `pm` (a PackedModel or a packed folder: the folder, else its disk) with
+    'source' saying which; None if none."""
     from .runtime.io import IO_MODES
 
     d = _load_store()
@@ -437,7 +460,7 @@ def recommended_io(pm: PackedModel) -> dict | None:
         except (KeyError, TypeError, ValueError):
             return False
 
-    rec = d.get("models", {}).get(str(Path(pm.path).resolve()))
+    rec = d.get("models", {}).get(str(Path(pm.path if isinstance(pm, PackedModel) else pm).resolve()))
     if rec is not None and valid(rec):
         return dict(rec, source="model")
     dev = _device_of(pm)
@@ -458,6 +481,8 @@ def table(res: dict) -> str:
         notes = []
         if c["io_used"] != c["mode"]:
             notes.append(f"ran as {c['io_used']}")
+        if c.get("in_place_fraction") is not None:
+            notes.append(f"in place {c['in_place_fraction'] * 100:.0f}% (no bytes moved)")
         if c["probe_us"] is not None:
             notes.append(f"probe {c['probe_us']:.0f} us"
                          + (f" (mincore {c['mincore_us']:.0f} us)" if c["mincore_us"] is not None else "")

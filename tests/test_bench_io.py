@@ -8,9 +8,9 @@ import pytest
 
 from moepack.cli import main
 from moepack.convert import convert
-from moepack.iobench import MODES, Cell, recommend, recommended_io, save_recommendation, synthetic_plan, table
+from moepack.iobench import HALF_MODES, MODES, Cell, recommend, recommended_io, save_recommendation, synthetic_plan, table
 from moepack.layout.reader import PackedModel
-from moepack.runtime.io import ExpertReader
+from moepack.runtime.io import ExpertReader, planned_io
 from moepack.testing.fixtures import write_mlx_checkpoint
 
 
@@ -51,28 +51,38 @@ def test_bench_io_json_has_every_cell_it_claims(capsys):
     want = {("threads", m, s, t, 1, 2 << 20) for m in MODES for s in ("cold", "warm") for t in (1, 2)}
     want |= {("split", m, s, 2, 2, 2 << 20) for m in ("pread", "hybrid", "direct") for s in ("cold", "warm")}
     want |= {("align", m, "warm", 1, 1, a) for m in ("pread", "mmap", "hybrid") for a in (16 << 10, 2 << 20)}
-    want |= {("half", m, "half", 2, 1, 2 << 20) for m in ("pread", "mmap", "hybrid")}
+    want |= {("half", m, "half", 2, 1, 2 << 20) for m in ("pread", "mmap", "hybrid", "mapped")}
     assert key == want
     drops = res["cache_drop_works"]
     for c in cells:
         assert c["experts"] == 4 and c["bytes"] == 4 * 3_932_160
         assert c["gb_s"] == pytest.approx(c["bytes"] / c["seconds"] / 1e9)
         assert c["ms_per_expert"] == pytest.approx(c["seconds"] * 1e3 / 4)
-        if c["io_used"] == "hybrid":
+        if c["io_used"] in ("hybrid", "mapped"):
             assert c["probe_us"] > 0 and 0 <= c["copied_fraction"] <= 1
             assert c["mincore_us"] is None or c["mincore_us"] > 0
         else:
             assert c["probe_us"] is None and c["mincore_us"] is None and c["copied_fraction"] is None
+        if c["io_used"] == "mapped":
+            assert 0 <= c["in_place_fraction"] <= 1
+        else:
+            assert c["in_place_fraction"] is None
         if c["state"] == "warm":
             assert c["resident_before"] == 1.0
             if c["io_used"] == "hybrid":
                 assert c["copied_fraction"] == 1.0
+            if c["io_used"] == "mapped":  # every record handed over in place: nothing copied
+                assert c["in_place_fraction"] == 1.0 and c["copied_fraction"] == 0.0
+        if drops and c["state"] == "cold" and c["io_used"] == "mapped":
+            assert c["in_place_fraction"] == 0.0
         if drops and c["state"] == "cold":
             assert c["resident_before"] < 0.05
         if drops and c["state"] == "half":
             assert c["resident_before"] == 0.5  # records 0 and 2 of the 4 warmed (without readahead)
             if c["io_used"] == "hybrid":
                 assert c["copied_fraction"] >= 0.5
+            if c["io_used"] == "mapped":  # the two warmed records in place, the other two read
+                assert c["in_place_fraction"] == 0.5
     rec = res["recommendation"]
     assert (rec["io"], rec["threads"], rec["split"]) in {(c["mode"], c["threads"], c["split"]) for c in cells}
     assert res["raw_direct"]["gb_s"] > 0
@@ -107,7 +117,9 @@ def test_run_io_auto_uses_the_saved_recommendation(capsys, tiny):
                          "--backend", "numpy")
     assert code == 0, err
     base = json.loads(out)
-    assert base["stats"]["io"] == "pread"  # nothing saved yet
+    assert base["stats"]["io"] == "mapped"  # nothing saved yet: the CPU backends' default
+    assert planned_io(tiny, "auto", "numpy") == "mapped" and planned_io(tiny, "auto", "cuda") == "pread"
+    assert planned_io(tiny, "direct:2", "numpy") == "direct"
     with PackedModel(tiny) as pm:
         save_recommendation(pm, {"io": "hybrid", "threads": 2, "split": 2}, synthetic=False)
         assert recommended_io(pm)["source"] == "model"
@@ -124,6 +136,7 @@ def test_run_io_auto_uses_the_saved_recommendation(capsys, tiny):
     assert code == 0, err
     got = json.loads(out)
     assert got["stats"]["io"] == "hybrid"
+    assert planned_io(tiny, "auto", "numpy") == planned_io(str(tiny), "auto:2", "cuda") == "hybrid"
     assert got["tokens"] == base["tokens"]
     code, out, err = cli(capsys, "run", tiny, "--prompt-ids", ids, "--max-tokens", "4", "--json", "--io", "mmap",
                          "--split", "4", "--backend", "numpy")
@@ -156,7 +169,7 @@ def test_bench_io_on_a_packed_model_saves_for_that_model(capsys, tiny):
     code, out, err = cli(capsys, "bench-io", tiny, "--threads", "1", "--split", "1", "--experts", "3", "--json")
     assert code == 0, err
     res = json.loads(out)
-    assert len(res["cells"]) == len(MODES) * 2 + 6 + 3  # no split cells: only split 1 asked for
+    assert len(res["cells"]) == len(MODES) * 2 + 6 + len(HALF_MODES)  # no split cells: only split 1 asked for
     saved = json.loads(open(res["saved_to"]).read())
     rec = saved["models"][str(tiny.resolve())]
     assert (rec["io"], rec["threads"], rec["split"]) == tuple(res["recommendation"][k] for k in ("io", "threads", "split"))

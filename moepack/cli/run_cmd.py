@@ -41,11 +41,12 @@ def _model_options(f):
                           "metal/*.metal kernels on Apple silicon; cuda: the same kernels as PTX on an NVIDIA "
                           "GPU (needs cupy); metal-emu: the same kernels in the CPU emulator (slow: for "
                           "verification, tiny models)."),
-        click.option("--io", type=click.Choice(_IO), default="pread", show_default=True,
+        click.option("--io", type=click.Choice(_IO), default="auto", show_default=True,
                      help="How experts are read: pread (through the page cache), direct (bypass it: cold-read "
                           "benchmarks), mmap (for comparison), hybrid (mincore: copy cached pages from a "
                           "mapping, pread the rest), mapped (as hybrid, but a wholly cached expert is used in place: no "
-                          "copy; best when the model fits in RAM), auto (what `moepack bench-io` saved, else pread)."),
+                          "copy), auto (what `moepack bench-io` saved for this model or disk, else mapped on the "
+                          "CPU backends and pread on the GPU ones)."),
         click.option("--split", type=click.IntRange(min=1), default=1, show_default=True, metavar="N",
                      help="Read each expert as N 16 KiB-aligned chunks on N threads."),
         click.option("--session", type=click.Path(dir_okay=False), default=None, metavar="FILE",
@@ -88,6 +89,17 @@ def _warnings_as_lines():
         warnings.simplefilter("always")
         warnings.showwarning = lambda message, *a, **k: click.echo(f"warning: {message}", err=True)
         yield
+
+
+def _openmp_wait_for(packed: str, io: str, split: int, backend: str) -> None:
+    """_openmp_wait() for the mode `--io` resolves to on this model (auto: saved recommendation or default)."""
+    from ..runtime.io import planned_io
+
+    try:
+        mode = planned_io(packed, _io_spec(io, split), backend)
+    except Exception:  # noqa: BLE001 - a bad folder is reported by the loader, with its own message
+        mode = io
+    _openmp_wait(mode)
 
 
 def _openmp_wait(io: str) -> None:
@@ -190,11 +202,11 @@ def run_cmd(packed, revision, prompt, prompt_ids, raw, max_tokens, temperature, 
       moepack run ./q397-2bit --prompt-ids "1,2,3" --max-tokens 0 --dump-logits logits.npy
       moepack run me/Qwen3.5-397B-A17B-moepack-2bit --prompt "Hi"   # pulled, verified once, cached
     """
-    _openmp_wait(io)
     from ..hub.pull import resolve_packed
     from ..runtime.generate import run
 
     packed = resolve_packed(packed, revision, progress=not as_json)
+    _openmp_wait_for(packed, io, split, backend)
     streamed = []
 
     def on_text(piece: str) -> None:
@@ -251,12 +263,12 @@ def chat_cmd(packed, revision, max_tokens, temperature, top_p, top_k, seed, expe
       moepack chat ./q397-2bit
       moepack chat ./q397-2bit --session chat.npz --experts-per-token 4 --temperature 0.7 --top-p 0.9
     """
-    _openmp_wait(io)
     import numpy as np
 
     from ..hub.pull import resolve_packed
 
     packed = resolve_packed(packed, revision)
+    _openmp_wait_for(packed, io, split, backend)
     from ..runtime.generate import MIN_SAFE_K, chat_turn, open_model
     from ..runtime.sampling import check_sampling
     from ..runtime.session import Session, open_session

@@ -184,7 +184,7 @@ class ExpertReader:
     ``buffer_align`` is the alignment of the record buffers: 2 MiB by default; bench-io compares 16 KiB."""
 
     def __init__(self, packed_model: PackedModel, io: str = "pread", threads: int = 4, split: int = 1,
-                 buffer_align: int = BUFFER_ALIGN):
+                 buffer_align: int = BUFFER_ALIGN, auto_default: str = "pread"):
         io, spec_split = parse_io(io)
         split = split if spec_split is None else spec_split
         self.auto = None  # the saved recommendation 'auto' used (None: none, or io was not 'auto')
@@ -193,7 +193,7 @@ class ExpertReader:
 
             self.auto = recommended_io(packed_model)
             rec = self.auto or {}
-            io, threads = rec.get("io", "pread"), int(rec.get("threads", threads))
+            io, threads = rec.get("io", auto_default), int(rec.get("threads", threads))
             split = int(rec.get("split", split)) if spec_split is None else spec_split  # explicit --split wins
         if threads < 1:
             raise MoepackError(f"io threads must be at least 1, got {threads}")
@@ -443,6 +443,33 @@ class ExpertReader:
             s.copied_bytes += copied
             s.pread_bytes += pread_bytes
             s.pread_calls += preads
+
+
+def default_io(backend: str) -> str:
+    """What ``io='auto'`` reads with when `moepack bench-io` saved nothing for the model or its disk.
+
+    CPU backends ('cpu', 'numpy', 'auto'): ``'mapped'`` where mincore() exists, else ``'pread'``. Measured with
+    benchmarks/decode.py (2-core VM, 397B expert shapes, K=4): in RAM 43 vs 33 tok/s (53 with brief thread
+    spinning); larger than RAM with ~6 GiB of page cache 4.1-5.0 vs 3.4 tok/s. Warm, a copying reader cannot
+    beat pread by much: pread into the reader's page-aligned buffers already runs at the speed of a memcpy
+    out of a mapping (moepack/iobench.py's docstring); only not copying does. GPU backends read with
+    ``'pread'``: their decode launches take the K records as one block of buffer rows, which records used in
+    place would break up."""
+    if backend in ("metal", "metal-emu", "cuda"):
+        return "pread"
+    return "mapped" if mincore_available() else "pread"
+
+
+def planned_io(packed_path, io: str, backend: str) -> str:
+    """The mode an ExpertReader opened with `io` for `backend` on the packed folder will use (before opening
+    it: `moepack run` sets how idle kernel threads wait from it, which must happen before they start)."""
+    mode, _ = parse_io(io)
+    if mode != "auto":
+        return mode
+    from ..iobench import recommended_io
+
+    rec = recommended_io(packed_path)
+    return rec["io"] if rec else default_io(backend)
 
 
 def parse_io(spec: str) -> tuple[str, int | None]:

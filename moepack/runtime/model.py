@@ -25,7 +25,7 @@ import numpy as np
 from ..errors import MoepackError
 from ..layout.reader import PackedModel
 from .cache import Cache
-from .io import ExpertReader
+from .io import ExpertReader, default_io
 from .models import get_model_module
 from .models.common import Ctx, LayerTimes
 from .weights import DenseWeights
@@ -108,7 +108,8 @@ class Model:
         self.weights = DenseWeights(packed.path, config)
         try:
             self.decoder = self.arch.build(self.weights, packed, self.args)
-            self.reader = ExpertReader(packed, io=io, threads=io_threads, split=io_split)
+            self.reader = ExpertReader(packed, io=io, threads=io_threads, split=io_split,
+                                       auto_default=default_io(backend))
         except BaseException:
             self.weights.close()
             raise
