@@ -370,7 +370,9 @@ def main():
                 ratio = f"{r['tok_s'] / mlx:.1f}x" if mlx else "-"
                 print(f"{run['bits']:>4} {run['k']:>3} {run['io']:>7} {phase:>5} {r['tok_s']:>7.2f} {r['ms_per_token']:>8.1f} "
                       f"{r['io_wait_ms']:>7.1f} {r['compute_ms']:>7.1f} {r['MB_per_token']:>7.1f} "
-                      f"{r['expert_GBps_io']:>8.2f} {r['expert_GBps_io'] / raw:>7.0%} {r['expert_GBps_e2e']:>9.2f} "
+                      + (f"{r['expert_GBps_io']:>8.2f} {r['expert_GBps_io'] / raw:>7.0%} " if r["io_wait_ms"] >= 0.05
+                         else f"{'-':>8} {'-':>7} ")  # no measurable wait: records used in place
+                      + f"{r['expert_GBps_e2e']:>9.2f} "
                       f"{run['distinct_experts']:>8.2f} {ratio:>10}")
         if res["mlx_lm"]:
             print("mlx-lm on the 4-bit source (all in RAM): " + ", ".join(
