@@ -126,6 +126,7 @@ def generate(model, context, *, session: Session | None = None, tokenizer=None, 
     context = check_ids(context, model.vocab_size)
     if not context:
         raise MoepackError("nothing to run: the prompt has no tokens")
+    keep_cache = session is not None  # the caller keeps the session: its cache must end up on the host
     session = session if session is not None else Session.new(model)
     eos = set(model.eos_token_ids if eos_token_ids is None else eos_token_ids)
     if tokenizer is not None and eos_token_ids is None:
@@ -182,6 +183,8 @@ def generate(model, context, *, session: Session | None = None, tokenizer=None, 
                 break
             last = model.forward(np.array([tok], dtype=np.int64), cache)[-1]
             decode_steps += 1
+    if keep_cache and hasattr(model, "sync_cache"):
+        model.sync_cache(cache)  # GPU backends: the decode steps' state comes back from the device
     if detok is not None:
         piece = detok.finalize()
         if piece:

@@ -36,6 +36,7 @@ KERNELS = ("qmatmul", "expert_ffn", "rmsnorm", "gated_rmsnorm", "rope", "attenti
 
 
 GPU_BACKENDS = ("metal-emu", "cuda", "metal")  # the metal/*.metal kernels on one of their executors
+ENV_RESIDENT = "MOEPACK_RESIDENT"  # "0": GPU backends decode through the kernel-module path (no resident step)
 
 
 def load_kernels(backend: str) -> ModuleType:
@@ -118,6 +119,10 @@ class Model:
         self.stats = RuntimeStats()
         self._ctx = Ctx(K=self.K, reader=self.reader, top_k=k, times=self.stats.layers)
         self._specs = self.decoder.layer_specs()
+        # GPU backends: decode steps run device-resident (metal/resident.py) unless MOEPACK_RESIDENT=0
+        self.use_resident = backend in GPU_BACKENDS and os.environ.get(ENV_RESIDENT, "1") != "0"
+        self.resident = None  # the ResidentDecoder, made at the first decode step
+        self.resident_error: str | None = None  # why the model has none (then decode keeps the kernel-module path)
 
     def new_cache(self) -> Cache:
         return Cache(self._specs)
@@ -138,7 +143,8 @@ class Model:
         """ids int [T] -> logits f32 [T, vocab]. Positions continue from cache.offset; cache updated in place.
 
         If the call raises part way (e.g. an I/O error), the cache is left inconsistent: start a new one or
-        restore a saved state_dict."""
+        restore a saved state_dict. On a GPU backend one-token calls run device-resident and leave the newest
+        state on the device: call ``sync_cache(cache)`` before reading the cache's arrays (``state_dict``)."""
         ids = np.asarray(ids)
         if ids.ndim != 1 or ids.size == 0 or not np.issubdtype(ids.dtype, np.integer):
             raise MoepackError(f"forward expects a non-empty 1-D array of token ids, got {ids.dtype} {ids.shape}")
@@ -149,7 +155,13 @@ class Model:
         cache.check_compatible(self._specs)
         io0, bytes0, reads0 = self.reader.stats.wait_s, self.reader.stats.bytes_read, self.reader.stats.reads
         t0 = time.perf_counter()
-        logits = self.decoder.forward(self._ctx, ids.astype(np.int64), cache)
+        resident = self._resident() if ids.size == 1 else None
+        if resident is not None:
+            logits = resident.step(int(ids[0]), cache)
+        else:
+            if self.resident is not None:  # the host cache is about to change: bring it up to date first
+                self.resident.sync(cache, release=True)
+            logits = self.decoder.forward(self._ctx, ids.astype(np.int64), cache)
         wall = time.perf_counter() - t0
         io = self.reader.stats.wait_s - io0
         s = self.stats
@@ -160,6 +172,21 @@ class Model:
         s.tokens += ids.size
         s.forward_calls += 1
         return logits
+
+    def _resident(self):
+        if not self.use_resident or self.resident_error is not None:
+            return None
+        if self.resident is None:
+            from .metal.resident import make_resident
+
+            self.resident = make_resident(self)
+        return self.resident
+
+    def sync_cache(self, cache: Cache) -> None:
+        """Bring `cache`'s host arrays up to date when decode steps left its newest state on the device
+        (before saving it, e.g. a session); a no-op otherwise."""
+        if self.resident is not None:
+            self.resident.sync(cache)
 
     def close(self) -> None:
         self.reader.close()

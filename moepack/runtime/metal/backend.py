@@ -12,6 +12,8 @@ the launch plan of a forward pass can be printed and checked (``moepack.runtime.
 What still runs on the CPU in this backend (numpy glue in the model code): residual adds, the sigmoid
 output gates, reshapes, unquantized (float) linears, and the 3-bit matvec (no 3-bit kernel: 3-bit codes
 straddle 32-bit words), which falls back to the numpy reference and is counted in ``cpu_fallbacks``.
+That is the prefill's path (and decode's with MOEPACK_RESIDENT=0); decode steps otherwise run device-resident
+(``resident.py``: state in DeviceBuffers, glue in ``metal/glue.metal``), logging their launches here too.
 """
 
 from __future__ import annotations

@@ -10,6 +10,9 @@ Memory: within one ``run()`` each host array is uploaded once (dispatches that s
 device copy) and arrays a kernel may write are copied back at the end. Read-only host arrays (the
 memory-mapped dense weights: numpy marks them not writeable) stay on the GPU across runs, keyed by address
 and size; writeable arrays (activations, the expert reader's reused record buffers) are uploaded each run.
+``DeviceBuffer`` arguments (``alloc``/``upload``/``download``: the resident decode step's KV cache, states
+and activations) are cupy allocations passed by device address, never copied by ``run()``. Large 2 MiB-aligned
+uint8 host arrays (the expert reader's record blocks) are page-locked once, so their uploads run at PCIe speed.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping, Sequence
@@ -25,9 +29,11 @@ import numpy as np
 
 from ...errors import MoepackError
 from . import sources
-from .dispatch import Dispatch, KernelError
+from .dispatch import DeviceBuffer, Dispatch, KernelError
 
 ENV_BUNDLE = "MOEPACK_PTX_BUNDLE"
+PIN_MIN = 1 << 21  # writeable uint8 host arrays this large and 2 MiB-aligned (expert record blocks) are
+PIN_ALIGN = 1 << 21  # page-locked once (cudaHostRegister) so their per-run uploads run at full PCIe speed
 
 
 def available() -> tuple[bool, str]:
@@ -122,6 +128,10 @@ class CudaExecutor:
         self._modules: dict[str, tuple[Any, dict[str, CudaKernel]]] = {}
         self._functions: dict[tuple[str, str], Any] = {}
         self._resident: dict[tuple[int, int, str], Any] = {}  # read-only host arrays kept on the GPU
+        # page-locked allocations (expert record blocks): kept alive while registered, unregistered when the
+        # executor goes (freeing registered pages would leave CUDA a stale mapping)
+        self._pinned: dict[int, tuple[np.ndarray, int | None]] = {}
+        weakref.finalize(self, _unpin, cupy, self._pinned)
         self.uploaded_bytes = 0
 
     def describe(self) -> dict:
@@ -157,11 +167,34 @@ class CudaExecutor:
             f = self._functions[key] = (raw.get_function(kernel), kernels[kernel])
         return f
 
+    def _pin(self, a: np.ndarray) -> None:
+        """Page-lock the allocation under a large 2 MiB-aligned writeable array (the expert reader's record
+        blocks, reused for the reader's life) once, so uploading its records runs at full PCIe speed. The
+        executor keeps a reference to the allocation, so registered pages are never freed under CUDA."""
+        root = a
+        while isinstance(root.base, np.ndarray):
+            root = root.base
+        start, end = root.ctypes.data, root.ctypes.data + root.nbytes
+        if start in self._pinned:
+            return
+        page = 4096
+        lo, hi = -(-start // page) * page, end // page * page
+        registered = False
+        if hi > lo:
+            try:
+                self.cp.cuda.runtime.hostRegister(lo, hi - lo, 0)
+                registered = True
+            except Exception:  # noqa: BLE001 - pinning is an optimisation: pageable uploads still work
+                pass
+        self._pinned[start] = (root, lo if registered else None)
+
     def _device_array(self, a: np.ndarray, staged: dict):
         key = (a.ctypes.data, a.nbytes, a.dtype.str)
         d = staged.get(key)
         if d is not None:
             return d
+        if a.dtype == np.uint8 and a.flags.writeable and a.nbytes >= PIN_MIN and a.ctypes.data % PIN_ALIGN == 0:
+            self._pin(a)
         if not a.flags.writeable:
             d = self._resident.get(key)
             if d is None:
@@ -172,6 +205,22 @@ class CudaExecutor:
             self.uploaded_bytes += a.nbytes
         staged[key] = d
         return d
+
+    # ------------------------------------------------------------------------------- persistent buffers
+    def alloc(self, shape, dtype) -> DeviceBuffer:
+        dt = np.dtype(dtype)
+        n = max(1, int(np.prod(shape, dtype=np.int64)) * dt.itemsize)
+        return DeviceBuffer(self.cp.zeros(n, dtype=self.cp.uint8), shape, dt)
+
+    def _view(self, buf: DeviceBuffer):
+        return buf.storage[buf.offset : buf.offset + buf.nbytes].view(buf.dtype).reshape(buf.shape)
+
+    def upload(self, buf: DeviceBuffer, array) -> None:
+        self._view(buf).set(np.ascontiguousarray(np.asarray(array, dtype=buf.dtype).reshape(buf.shape)))
+        self.uploaded_bytes += buf.nbytes
+
+    def download(self, buf: DeviceBuffer) -> np.ndarray:
+        return self._view(buf).get()
 
     def run(self, dispatches: Sequence[Dispatch]) -> None:
         if isinstance(dispatches, Dispatch):
@@ -187,6 +236,12 @@ class CudaExecutor:
                 v = d.args[p.index]
                 if p.kind == "scalar":
                     args.append(np.dtype(p.dtype).type(v))
+                    continue
+                if isinstance(v, DeviceBuffer):  # stays on the GPU: no upload, no copy back
+                    if p.dtype is not None and v.dtype.itemsize != np.dtype(p.dtype).itemsize:
+                        raise KernelError(f"kernel {d.kernel}: buffer {p.index} is {v.dtype}, the kernel reads "
+                                          f"{np.dtype(p.dtype)}")
+                    args.append(np.uint64(v.storage.data.ptr + v.offset))  # its device address: no array made
                     continue
                 if not isinstance(v, np.ndarray):
                     v = np.frombuffer(bytes(v), dtype=np.uint8).copy()
@@ -204,6 +259,16 @@ class CudaExecutor:
         self.cp.cuda.get_current_stream().synchronize()
         for host, dev in back.values():
             host[...] = self.cp.asnumpy(dev).reshape(host.shape)
+
+
+def _unpin(cp, pinned: dict) -> None:
+    for _, lo in pinned.values():
+        if lo is not None:
+            try:
+                cp.cuda.runtime.hostUnregister(lo)
+            except Exception:  # noqa: BLE001 - at exit the context may be gone already
+                pass
+    pinned.clear()
 
 
 def _raw_module_from_ptx(cp, ptx: str):

@@ -9,7 +9,9 @@ Buffers: an array whose memory is page-aligned and a whole number of pages long 
 2 MiB-aligned record buffers) is wrapped without a copy (``newBufferWithBytesNoCopy``), so a pread lands
 directly in GPU-visible memory; the wrapper is cached by address. Any other array is copied into a shared
 buffer, and copied back after the command buffer completes when the kernel may write it (non-const
-``device`` pointer). ``constant T&`` parameters go through ``setBytes``.
+``device`` pointer). ``constant T&`` parameters go through ``setBytes``. ``DeviceBuffer`` arguments
+(``alloc``: persistent MTLBuffers in shared storage, the resident decode step's state) are bound at their
+offset with no copy; ``upload``/``download`` copy through the buffer's CPU-visible contents.
 
 This module is the one part of the Metal backend no Linux machine executes; ``moepack selftest`` on a
 Mac compiles every kernel with Apple's compiler and checks each against the numpy reference.
@@ -23,7 +25,7 @@ from typing import Sequence
 import numpy as np
 
 from ...errors import MoepackError
-from .dispatch import Dispatch, KernelError
+from .dispatch import DeviceBuffer, Dispatch, KernelError
 from .signature import KernelSignature, parse_kernels
 from .sources import read_source
 
@@ -62,6 +64,7 @@ class MetalExecutor:
         self._signatures: dict[str, dict[str, KernelSignature]] = {}
         self._libraries: dict[str, object] = {}
         self._nocopy: dict[tuple[int, int], object] = {}  # (address, nbytes) -> MTLBuffer wrapping it
+        self._readonly: dict[tuple[int, int, str], object] = {}  # read-only host arrays copied to the GPU once
 
     # ------------------------------------------------------------------------------------------ compile
     def library(self, source: str):
@@ -109,7 +112,39 @@ class MetalExecutor:
                     self._nocopy[(addr, n)] = buf
             if buf is not None:
                 return buf, False
+        if not a.flags.writeable:  # the memory-mapped dense weights: copied once, kept (as executor_cuda does)
+            buf = self._readonly.get((addr, n, a.dtype.str))
+            if buf is None:
+                buf = self._readonly[(addr, n, a.dtype.str)] = self.device.newBufferWithBytes_length_options_(
+                    a, max(n, 4), self._M.MTLResourceStorageModeShared)
+            return buf, False
         return self.device.newBufferWithBytes_length_options_(a, max(n, 4), self._M.MTLResourceStorageModeShared), True
+
+    # ------------------------------------------------------------------------------------------ persistent buffers
+    def alloc(self, shape, dtype) -> DeviceBuffer:
+        """A zeroed MTLBuffer in shared storage (CPU and GPU see the same memory on Apple silicon)."""
+        dt = np.dtype(dtype)
+        n = max(4, int(np.prod(shape, dtype=np.int64)) * dt.itemsize)
+        buf = self.device.newBufferWithLength_options_(n, self._M.MTLResourceStorageModeShared)
+        if buf is None:
+            raise KernelError(f"the Metal device could not allocate {n} bytes",
+                              hint="the model's decode state does not fit the GPU's memory")
+        out = DeviceBuffer(buf, shape, dt)
+        self._bytes_of(out)[:] = 0
+        return out
+
+    @staticmethod
+    def _bytes_of(buf: DeviceBuffer) -> np.ndarray:
+        """A writable uint8 numpy view of `buf`'s bytes in the shared MTLBuffer."""
+        whole = np.frombuffer(buf.storage.contents().as_buffer(buf.capacity), dtype=np.uint8)
+        return whole[buf.offset : buf.offset + buf.nbytes]
+
+    def upload(self, buf: DeviceBuffer, array) -> None:
+        src = np.ascontiguousarray(np.asarray(array, dtype=buf.dtype).reshape(buf.shape))
+        self._bytes_of(buf)[:] = src.reshape(-1).view(np.uint8)  # run() waits for its command buffer: no race
+
+    def download(self, buf: DeviceBuffer) -> np.ndarray:
+        return self._bytes_of(buf).copy().view(buf.dtype).reshape(buf.shape)
 
     # ------------------------------------------------------------------------------------------ run
     def run(self, dispatches: Sequence[Dispatch]) -> None:
@@ -126,7 +161,9 @@ class MetalExecutor:
                 param = sig.buffers.get(idx)
                 if param is None:
                     raise KernelError(f"{d.kernel} has no [[buffer({idx})]]")
-                if isinstance(value, np.ndarray):
+                if isinstance(value, DeviceBuffer):  # a persistent MTLBuffer: bound at its offset, no copies
+                    enc.setBuffer_offset_atIndex_(value.storage, value.offset, idx)
+                elif isinstance(value, np.ndarray):
                     if not value.flags.c_contiguous:
                         raise KernelError(f"{d.kernel}: buffer {idx} is not C-contiguous")
                     buf, copied = self._buffer(value)

@@ -15,6 +15,10 @@ Gated-DeltaNet conv/delta step, output projection), ``routing`` (norm, router ma
 the CPU then issues the expert reads), ``experts`` (shared expert, each routed expert's fused gate/up +
 SwiGLU and down projection straight from its record); ``head`` (final norm, lm_head).
 
+``resident_plan`` records the device-resident decode step (``resident.py``, what GPU backends run for decode)
+the same way: its command buffers (a layer's experts + the next layer's attention and routing each), the
+launches of each and what the host reads back after it (top-k ids + weights, and the logits at the end).
+
     python -m moepack.runtime.metal.plan PACKED [--tokens 1] [--json]
 """
 
@@ -28,7 +32,7 @@ from typing import Sequence
 import numpy as np
 
 from ...errors import MoepackError
-from .dispatch import Dispatch, KernelError
+from .dispatch import Dispatch, DeviceBuffer, KernelError, host_alloc, host_view, resolve_host_args
 from .signature import KernelSignature, parse_kernels
 from .sources import read_source
 
@@ -73,10 +77,21 @@ class PlanExecutor:
             raise KernelError(f"{d.kernel}: threadgroup {d.threadgroup} exceeds {MAX_THREADS} threads")
         self.checked += 1
 
+    # persistent buffers in host memory, as the emulator's (the resident decode step's plan)
+    def alloc(self, shape, dtype) -> DeviceBuffer:
+        return host_alloc(shape, dtype)
+
+    def upload(self, buf: DeviceBuffer, array) -> None:
+        host_view(buf.storage, buf)[...] = np.asarray(array, dtype=buf.dtype).reshape(buf.shape)
+
+    def download(self, buf: DeviceBuffer) -> np.ndarray:
+        return host_view(buf.storage, buf).copy()
+
     def run(self, dispatches: Sequence[Dispatch]) -> None:
         if isinstance(dispatches, Dispatch):
             dispatches = [dispatches]
         for d in dispatches:
+            d = resolve_host_args(d)
             self.check(d)
             sig = self.signature(d.source, d.kernel)
             for i, v in d.args.items():  # outputs: floats 0, integers 0..n-1 along the last axis (k distinct
@@ -136,7 +151,40 @@ def launch_plan(packed, tokens: int = 1, experts_per_token: int | None = None) -
     cbs = group(decode)
     return {"prefill_tokens": tokens, "prefill_launches": len(prefill), "decode_launches": len(decode),
             "decode_command_buffers": len(cbs), "decode_kernels": dict(kernels), "cpu_fallbacks": gk.cpu_fallbacks,
-            "decode": [cb.to_json() for cb in cbs]}
+            "decode": [cb.to_json() for cb in cbs], "resident": resident_plan(packed, tokens, experts_per_token)}
+
+
+def resident_plan(packed, tokens: int = 1, experts_per_token: int | None = None) -> dict:
+    """The device-resident decode step (metal/resident.py) after a `tokens`-token prefill, recorded on a
+    PlanExecutor: its command buffers, the launches of each and what the host reads back after it."""
+    from ..model import Model
+    from ...layout.reader import PackedModel
+    from .backend import GpuKernels
+    from .resident import ResidentDecoder, ResidentUnsupported
+
+    pm = PackedModel(packed) if not isinstance(packed, PackedModel) else packed
+    try:
+        model = Model(pm, backend="numpy", experts_per_token=experts_per_token)
+        try:
+            gk = GpuKernels(PlanExecutor())
+            model.K = gk
+            model._ctx.K = gk
+            cache = model.new_cache()
+            model.forward(np.arange(tokens) % model.vocab_size, cache)
+            try:
+                rd = ResidentDecoder(model)
+            except ResidentUnsupported as e:
+                return {"supported": False, "why": e.message}
+            rd.trace = []
+            rd.step(1 % model.vocab_size, cache)
+        finally:
+            model.close()
+    finally:
+        if pm is not packed:
+            pm.close()
+    s = rd.last_step
+    return {"supported": True, "command_buffers": s["command_buffers"], "launches": s["launches"],
+            "read_backs": s["readbacks"], "uploads_first_step": s["uploads"], "buffers": rd.trace}
 
 
 def format_plan(plan: dict) -> str:
@@ -149,6 +197,23 @@ def format_plan(plan: dict) -> str:
             bufs = " ".join(f"{k}:{v}" for k, v in x["buffers"].items())
             lines.append(f"  {x['source']:<24}{x['kernel']:<22} grid {tuple(x['grid'])} tg {tuple(x['threadgroup'])}"
                          f"  {bufs}")
+    res = plan.get("resident")
+    if res is not None and not res.get("supported"):
+        lines.append(f"resident decode step: not available ({res.get('why')}); decode uses the plan above")
+    elif res is not None:
+        lines.append(f"resident decode step (device-resident state; used by --backend metal/cuda/metal-emu unless "
+                     f"MOEPACK_RESIDENT=0): {res['launches']} launches in {res['command_buffers']} command buffers, "
+                     f"{res['read_backs']} read-backs")
+        for n, cb in enumerate(res["buffers"]):
+            spans = []
+            for x in cb["launches"]:
+                where = "model" if x["layer"] is None else f"layer {x['layer']}"
+                tag = f"{where} {x['phase']}"
+                if not spans or spans[-1][0] != tag:
+                    spans.append([tag, 0])
+                spans[-1][1] += 1
+            back = f"  -> read back {', '.join(cb['read_back'])}" if cb["read_back"] else ""
+            lines.append(f"  [{n}] " + ", ".join(f"{t} ({c})" for t, c in spans) + back)
     return "\n".join(lines)
 
 

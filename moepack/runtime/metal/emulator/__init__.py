@@ -19,7 +19,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Sequence
 
-from moepack.runtime.metal.dispatch import Dispatch, KernelError
+import numpy as np
+
+from moepack.runtime.metal.dispatch import (Dispatch, DeviceBuffer, KernelError, host_alloc, host_view,
+                                            resolve_host_args)
 from moepack.runtime.metal.emulator.library import Library
 
 EmulatorError = KernelError  # a MoepackError; the name the interface promises
@@ -67,8 +70,18 @@ class Emulator:
         if isinstance(dispatches, Dispatch):
             dispatches = [dispatches]
         for d in dispatches:
-            self.library(d.source).launch(d, SCHEDULES[self.schedule], self.seed, self.strict_simd,
-                                          guard=self.guard_buffers)
+            self.library(d.source).launch(resolve_host_args(d), SCHEDULES[self.schedule], self.seed,
+                                          self.strict_simd, guard=self.guard_buffers)
+
+    # persistent buffers (DeviceBuffer): the emulator's device memory is host memory
+    def alloc(self, shape, dtype) -> DeviceBuffer:
+        return host_alloc(shape, dtype)
+
+    def upload(self, buf: DeviceBuffer, array) -> None:
+        host_view(buf.storage, buf)[...] = np.asarray(array, dtype=buf.dtype).reshape(buf.shape)
+
+    def download(self, buf: DeviceBuffer) -> np.ndarray:
+        return host_view(buf.storage, buf).copy()
 
 
 __all__ = ["Emulator", "EmulatorError", "Library", "SCHEDULES"]
