@@ -194,6 +194,25 @@ def test_resident_decode_matches_numpy(packed, reference, arch, bits):
         assert "gather_f32" in kernels
 
 
+def test_state_dict_after_resident_steps_needs_no_explicit_sync(packed, reference, tmp_path):
+    """Session.save / truncation read the cache through state_dict(), which pulls the device's newest state."""
+    from moepack.runtime.session import Session, load_session
+
+    ref_state = reference[("qwen3_5_moe", 4)][3]
+    with load_model(packed[("qwen3_5_moe", 4)], backend="metal-emu") as m:
+        s = Session.new(m)
+        logits = m.forward(PROMPT, s.cache)
+        for _ in range(3):
+            logits = m.forward(np.array([int(logits[-1].argmax())]), s.cache)
+        assert m.resident is not None and m.resident.dirty  # the host arrays are behind the device
+        s.tokens = [0] * s.cache.offset
+        s.save(tmp_path / "s.npz")  # no sync_cache() call
+        state = load_session(tmp_path / "s.npz", m).cache.state_dict()
+    for k in ref_state:
+        if ref_state[k].dtype == np.float32 and ref_state[k].size:
+            assert state[k].shape == ref_state[k].shape and _rel(state[k], ref_state[k]) < REL_TOL, k
+
+
 def test_escape_hatch_and_unsupported_models_keep_the_old_path(packed, reference, monkeypatch):
     ref, ref_toks, *_ = reference[("qwen3_moe", 4)]
     monkeypatch.setenv("MOEPACK_RESIDENT", "0")

@@ -95,6 +95,9 @@ class Cache:
         self.specs = list(specs)
         self.layers = [s.make() for s in self.specs]
         self.offset = 0
+        # set by a GPU backend's resident decoder while the newest state lives on the device: brings the
+        # host arrays up to date; state_dict() (sessions, truncation) calls it first
+        self.device_sync = None
 
     def __len__(self) -> int:
         return len(self.layers)
@@ -102,6 +105,8 @@ class Cache:
     # -------------------------------------------------------------------------------------------- save/restore
     def state_dict(self) -> dict[str, np.ndarray]:
         """Everything needed to continue decoding, as arrays (copies)."""
+        if self.device_sync is not None:
+            self.device_sync()
         d: dict[str, np.ndarray] = {
             "offset": np.array(self.offset, dtype=np.int64),
             "kinds": np.array([_KINDS[s.kind] for s in self.specs], dtype=np.int8),

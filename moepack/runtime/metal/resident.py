@@ -295,6 +295,7 @@ class ResidentDecoder:
         self._cache, self._state, self._host_len = cache, state, host_len
         self._offset = cache.offset
         self.dirty = False
+        cache.device_sync = lambda: self.sync(cache)  # state_dict() (sessions) sees the device's newest state
 
     def holds(self, cache: Cache) -> bool:
         return self._cache is cache and self._offset == cache.offset
@@ -318,6 +319,7 @@ class ResidentDecoder:
             self.dirty = False
         if release and self._cache is cache:
             self._cache, self._state, self._offset = None, [], -1
+            cache.device_sync = None
 
     def _grow(self, i: int, pos: int, cb: list) -> None:
         """Room for position `pos` in layer i's device KV cache (a bigger buffer, old rows copied on the device)."""
