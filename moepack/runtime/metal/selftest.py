@@ -130,7 +130,45 @@ def cases(seed: int = 0):
 
     out.append(("router_topk renorm", "logits[3,64] k=4", lambda ex: router(ex, True)))
     out.append(("router_topk", "logits[3,64] k=4", lambda ex: router(ex, False)))
+    out += _glue_cases(rng)
     return out
+
+
+def _glue_cases(rng):
+    """glue.metal: what the device-resident decode step runs between the kernels above."""
+    from ...quant.bf16 import f32_to_bf16
+    from . import ops_glue as G
+
+    a = rng.standard_normal(300).astype(np.float32)
+    b = rng.standard_normal(300).astype(np.float32)
+    xg = rng.standard_normal((5, 24)).astype(np.float32)
+    gt = (rng.standard_normal(5 * 48) * 4).astype(np.float32)
+    bb = (rng.standard_normal(40) * 30).astype(np.float32)
+    aa = (rng.standard_normal(40) * 30).astype(np.float32)
+    A = np.exp(rng.standard_normal(40) * 0.5).astype(np.float32)
+    dt = rng.standard_normal(40).astype(np.float32)
+    xl = rng.standard_normal((3, 200)).astype(np.float32)
+    src = rng.standard_normal(97).astype(np.float32)
+    idx = rng.integers(0, 97, 260).astype(np.int32)
+    w32 = rng.standard_normal((37, 100)).astype(np.float32)
+    wbf = f32_to_bf16(w32)
+    xm = rng.standard_normal((2, 100)).astype(np.float32)
+    ids = np.array([3, 0, 36], np.int32)
+    return [
+        ("add", "n=300", lambda ex: [(G.add(ex, a, b), G.add_ref(a, b))]),
+        ("swiglu", "n=300", lambda ex: [(G.swiglu(ex, a, b), G.swiglu_ref(a, b))]),
+        ("sigmoid_gate", "x[5,24] gate stride 48", lambda ex: [(G.sigmoid_gate(ex, xg, gt, 48, 24),
+                                                                G.sigmoid_gate_ref(xg, gt, 48, 24))]),
+        ("gdn_gates", "n=40, logits in both tails", lambda ex: list(zip(G.gdn_gates(ex, bb, aa, A, dt),
+                                                                        G.gdn_gates_ref(bb, aa, A, dt)))),
+        ("l2norm_scale", "x[3,200]", lambda ex: [(G.l2norm_scale(ex, xl, 1, 200 ** -0.5, 1.0, 1e-6),
+                                                  G.l2norm_scale_ref(xl, 1, 200 ** -0.5, 1.0, 1e-6))]),
+        ("gather", "src[97] idx[260]", lambda ex: [("exact", G.gather(ex, src, idx), G.gather_ref(src, idx))]),
+        ("matvec bf16 weights", "x[2,100] W[37,100]", lambda ex: [(G.matvec(ex, xm, wbf, "BF16"),
+                                                                   G.matvec_ref(xm, wbf, "BF16"))]),
+        ("embed_rows bf16", "V=37 D=100 ids[3]", lambda ex: [("exact", G.embed_rows(ex, ids, wbf, "BF16"),
+                                                              G.embed_rows_ref(ids, wbf, "BF16"))]),
+    ]
 
 
 def run_selftest(executor: Executor, seed: int = 0) -> list[CaseResult]:
