@@ -123,6 +123,20 @@ def host_alloc(shape, dtype) -> DeviceBuffer:
     return DeviceBuffer(raw[start : start + n], shape, dt)
 
 
+class HostBuffers:
+    """alloc / upload / download of DeviceBuffers in host memory: executors whose device memory is the host's
+    (the emulator, the plan checker)."""
+
+    def alloc(self, shape, dtype) -> DeviceBuffer:
+        return host_alloc(shape, dtype)
+
+    def upload(self, buf: DeviceBuffer, array) -> None:
+        host_view(buf.storage, buf)[...] = np.asarray(array, dtype=buf.dtype).reshape(buf.shape)
+
+    def download(self, buf: DeviceBuffer) -> np.ndarray:
+        return host_view(buf.storage, buf).copy()
+
+
 def resolve_host_args(d: Dispatch) -> Dispatch:
     """`d` with every host-memory DeviceBuffer replaced by its numpy view (no copy)."""
     if not any(isinstance(v, DeviceBuffer) for v in d.args.values()):

@@ -32,15 +32,16 @@ from typing import Sequence
 import numpy as np
 
 from ...errors import MoepackError
-from .dispatch import Dispatch, DeviceBuffer, KernelError, host_alloc, host_view, resolve_host_args
+from .dispatch import Dispatch, HostBuffers, KernelError, resolve_host_args
 from .signature import KernelSignature, parse_kernels
 from .sources import read_source
 
 MAX_THREADS = 1024
 
 
-class PlanExecutor:
-    """Validates and records dispatches; runs nothing (name "plan")."""
+class PlanExecutor(HostBuffers):
+    """Validates and records dispatches; runs nothing (name "plan"). DeviceBuffers live in host memory, as
+    the emulator's (the resident decode step's plan)."""
 
     name = "plan"
 
@@ -76,16 +77,6 @@ class PlanExecutor:
         if int(np.prod(d.threadgroup)) > MAX_THREADS:
             raise KernelError(f"{d.kernel}: threadgroup {d.threadgroup} exceeds {MAX_THREADS} threads")
         self.checked += 1
-
-    # persistent buffers in host memory, as the emulator's (the resident decode step's plan)
-    def alloc(self, shape, dtype) -> DeviceBuffer:
-        return host_alloc(shape, dtype)
-
-    def upload(self, buf: DeviceBuffer, array) -> None:
-        host_view(buf.storage, buf)[...] = np.asarray(array, dtype=buf.dtype).reshape(buf.shape)
-
-    def download(self, buf: DeviceBuffer) -> np.ndarray:
-        return host_view(buf.storage, buf).copy()
 
     def run(self, dispatches: Sequence[Dispatch]) -> None:
         if isinstance(dispatches, Dispatch):

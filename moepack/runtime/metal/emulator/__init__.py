@@ -19,10 +19,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Sequence
 
-import numpy as np
-
-from moepack.runtime.metal.dispatch import (Dispatch, DeviceBuffer, KernelError, host_alloc, host_view,
-                                            resolve_host_args)
+from moepack.runtime.metal.dispatch import Dispatch, HostBuffers, KernelError, resolve_host_args
 from moepack.runtime.metal.emulator.library import Library
 
 EmulatorError = KernelError  # a MoepackError; the name the interface promises
@@ -32,8 +29,8 @@ SCHEDULES = {"forward": 0, "reverse": 1, "random": 2}
 _LIBRARIES: dict[tuple[str, bool], Library] = {}  # process-wide: (resolved path + mtime, strict) -> Library
 
 
-class Emulator:
-    """Executor of Dispatch lists on the CPU (name "metal-emu")."""
+class Emulator(HostBuffers):
+    """Executor of Dispatch lists on the CPU (name "metal-emu"); persistent DeviceBuffers live in host memory."""
 
     name = "metal-emu"
 
@@ -72,16 +69,6 @@ class Emulator:
         for d in dispatches:
             self.library(d.source).launch(resolve_host_args(d), SCHEDULES[self.schedule], self.seed,
                                           self.strict_simd, guard=self.guard_buffers)
-
-    # persistent buffers (DeviceBuffer): the emulator's device memory is host memory
-    def alloc(self, shape, dtype) -> DeviceBuffer:
-        return host_alloc(shape, dtype)
-
-    def upload(self, buf: DeviceBuffer, array) -> None:
-        host_view(buf.storage, buf)[...] = np.asarray(array, dtype=buf.dtype).reshape(buf.shape)
-
-    def download(self, buf: DeviceBuffer) -> np.ndarray:
-        return host_view(buf.storage, buf).copy()
 
 
 __all__ = ["Emulator", "EmulatorError", "Library", "SCHEDULES"]
