@@ -37,17 +37,24 @@
 //                    share each block of QMV_ROWS rows, so a threadgroup holds NRB = QMV_SG / ksplit row
 //                    blocks, RPG = NRB * QMV_ROWS rows. Simdgroup s of threadgroup (gx, t, z) works on rows
 //                    (gx * NRB + s % NRB) * QMV_ROWS .. +QMV_ROWS-1 of token t, over input steps s / NRB,
-//                    + ksplit, ... (a step is 32 * QMV_VPT inputs). The launch builder picks ksplit so that a
-//                    small dispatch (one expert's 1024 rows) still spreads over enough threadgroups to keep the
-//                    GPU's loads in flight, and a large one (a batch of experts, lm_head) keeps ksplit = 1.
-//                    Per threadgroup, x[t] is staged in threadgroup memory QMV_XCHUNK floats at a time (so
-//                    any `in` fits in 8.5 KiB, padded against bank conflicts); in a step, lane l takes
-//                    QMV_VPT consecutive inputs, loads them into registers once together with their sum, and
-//                    for each of its rows adds  scale * dot(q, x) + bias * sum(x)  (the bias costs one
-//                    multiply-add per QMV_VPT inputs). simd_sum folds the 32 lanes; the ksplit partial sums
-//                    of a row meet in threadgroup memory, and thread (b * QMV_ROWS + r) adds them in k order
-//                    and writes row r of block b. QMV_VPT (16) divides every group size, so a lane's inputs
-//                    share one scale and bias.
+//                    + ksplit, ... The launch builder picks ksplit so that a small dispatch (one expert's 1024
+//                    rows) still spreads over enough threadgroups to keep the GPU's loads in flight, and a
+//                    large one (a batch of experts, lm_head) keeps ksplit = 1.
+//                    A step is 32 lane runs of R = QMV_VPT * 8 / bits consecutive inputs (bits: the wider of
+//                    the two matrices'): 16 bytes of codes per lane and row, so a simdgroup reads 512
+//                    contiguous bytes of each row per step (64, 32, 16 inputs per lane at 2, 4, 8 bits).
+//                    Per threadgroup, x[t] is staged in threadgroup memory QMV_XCHUNK floats at a time (16 KiB:
+//                    a 397B hidden vector in one go), as float4s xor-swizzled against bank conflicts; in a
+//                    step a lane loads its QMV_ROWS (x NP matrices) 16-byte runs first, then its R inputs
+//                    (16 bytes at a time) with their sum, and for each row adds  scale * dot(q, x) +
+//                    bias * sum(x)  (per 32 inputs at 2 bits, whose runs can span two groups of 32). Codes
+//                    become floats without shifts or conversions (qdot_word). simd_sum folds the 32 lanes;
+//                    the ksplit partial sums of a row meet in threadgroup memory, and thread
+//                    (b * QMV_ROWS + r) adds them in k order and writes row r of block b.
+//                    16-byte reads need every row 16-byte aligned: the buffer start (the launch builders
+//                    align host arrays; device buffers are), a record's component offset and stride (records:
+//                    multiples of 64 and of 16 KiB), and the row size in * bits / 8 (2-bit rows: in a
+//                    multiple of 64). Otherwise (checked per threadgroup) the same code reads word by word.
 //   qmv*:            writes y[y_off + t * out + o]; y_off lets the down projections of a token's K experts land
 //                    in one [T, K, D] buffer for moe_combine (expert k of token t at y_off = (t * K + k) * D).
 //   qembed_bN:       threadgroup (QEMB_TG, 1, 1), grid (ceil(D*bits/32 / QEMB_TG), T, 1); a thread
@@ -65,99 +72,155 @@ using namespace metal;
 
 #define QMV_SG 8          // simdgroups per threadgroup
 #define QMV_ROWS 4        // output rows per simdgroup
-#define QMV_VPT 16        // consecutive inputs per lane per step
-#define QMV_XCHUNK 2048   // floats of x staged in threadgroup memory at a time
+#define QMV_VPT 16        // inputs in 16 bytes of 8-bit codes: a lane run is QMV_VPT * 8 / bits inputs
+#define QMV_XCHUNK 4096   // floats of x staged in threadgroup memory at a time
 #define QEMB_TG 64        // threads per threadgroup of qembed
 #define QCOMB_TG 256      // threads per threadgroup of moe_combine
 
 // ------------------------------------------------------------------------------------------- helpers
 
-// One quantized matrix: packed codes, bf16 scales, bf16 biases (layouts in the header).
+// One quantized matrix: packed codes, bf16 scales, bf16 biases (layouts in the header). `wbyte`: the byte
+// offset of w from the start of its buffer (buffers start 16-byte aligned), so the kernel knows whether its
+// rows can be read 16 bytes at a time.
 struct qmat {
     device const uint* w;
     device const bfloat* scales;
     device const bfloat* biases;
+    uint wbyte;
 };
 
-// dot(codes, xv) over QMV_VPT consecutive codes starting at word w[0] (codes unscaled, as floats).
-// A code c becomes the float c exactly as (bits of 2^23 | c) - 2^23, an or and a subtract instead of an
-// integer-to-float conversion (quarter rate on NVIDIA GPUs; on an H200 the two timed the same, so this is
-// not what limits the kernel there).
-template <int BITS>
-inline float qdot_lane(device const uint* w, thread const float* xv) {
-    const uint per = 32 / BITS;  // codes per word
-    const uint mask = (1u << BITS) - 1u;
-    float acc = 0.0f;
-#pragma clang loop unroll(full)
-    for (uint j = 0; j < QMV_VPT / per; ++j) {
-        const uint word = w[j];
-#pragma clang loop unroll(full)
-        for (uint k = 0; k < per; ++k) {
-            const float q = as_type<float>(((word >> (k * BITS)) & mask) | 0x4B000000u) - 8388608.0f;
-            acc = fma(q, xv[j * per + k], acc);
-        }
-    }
-    return acc;
-}
+// The lane run of a qmv step for matrices with B0- and B1-bit codes (geometry in the header): R inputs, 16
+// bytes of a row of the matrix with the wider codes (R * B / 32 words of each matrix: 4, 2 or 1), summed as
+// NH halves of RH inputs (two at 2 bits: a run can span two groups of 32, and half the x stays in
+// registers). SH: the shift of the x swizzle (xs_index).
+template <int B0, int B1>
+struct qrun {
+    enum { R = QMV_VPT * 8 / (B0 > B1 ? B0 : B1), NH = R == 64 ? 2 : 1, RH = R / NH, SH = R == 64 ? 4 : 3 };
+};
 
-// One lane's share of a row of W . x for QMV_VPT inputs (held in xv, summing to xsum), whose codes start at
-// word `word` of m.w and whose group is `group` (flat index into scales/biases):
-// scale * dot(q, x) + bias * sum(x).
-template <int BITS>
-inline float qrow_part(qmat m, uint word, uint group, thread const float* xv, float xsum) {
-    const float q = qdot_lane<BITS>(m.w + word, xv);
-    return fma(float(m.scales[group]), q, float(m.biases[group]) * xsum);
-}
-
-// Input i of a staged chunk lives at xs[i + i / QMV_VPT]: one float of padding per lane's run, so the 32
-// lanes of a simdgroup, reading runs QMV_VPT floats apart, hit 32 different banks instead of 16-way
-// conflicting on 2 (on an H200 the padded and unpadded kernels timed the same).
-inline uint xs_index(uint i) {
-    return i + i / QMV_VPT;
+// x staged in threadgroup memory as float4s; float4 j lives at xs[xs_index(j)]: an xor swizzle inside each
+// aligned block of 8 float4s, so the 8 lanes of a quarter simdgroup, reading float4 k of their runs (R / 4
+// float4s apart), hit 8 different 16-byte bank groups (and the stagers' consecutive floats stay
+// conflict-free).
+template <int SH>
+METAL_FUNC uint xs_index(uint j) {
+    return j ^ ((j >> SH) & 7u);
 }
 
 // Stage x[c0 .. c0+clen) of one token into threadgroup memory. Every thread of the group calls it; the loop
 // has a compile-time trip count so its loads are all in flight at once.
-inline void stage_x(device const float* xt, uint c0, uint clen, threadgroup float* xs, uint tid) {
+template <int SH>
+METAL_FUNC void stage_x(device const float* xt, uint c0, uint clen, threadgroup float4* xs, uint tid) {
+    threadgroup float* xf = (threadgroup float*)xs;
     threadgroup_barrier(mem_flags::mem_threadgroup);  // the previous chunk's readers are done
 #pragma clang loop unroll(full)
     for (uint k = 0; k < QMV_XCHUNK / (32 * QMV_SG); ++k) {
         const uint i = k * (32 * QMV_SG) + tid;
         if (i < clen) {
-            xs[xs_index(i)] = xt[c0 + i];
+            xf[xs_index<SH>(i >> 2) * 4 + (i & 3u)] = xt[c0 + i];
         }
     }
     threadgroup_barrier(mem_flags::mem_threadgroup);
 }
 
-// Lane's inputs i0 .. i0+QMV_VPT of the staged chunk (i0 a multiple of QMV_VPT) into registers; returns
-// their sum.
-inline float load_lane_x(threadgroup const float* xs, uint i0, thread float* xv) {
-    threadgroup const float* run = xs + xs_index(i0);
+// RH staged inputs from i0 (a multiple of RH) into registers, 16 bytes at a time; returns their sum.
+template <int SH, int RH>
+METAL_FUNC float load_lane_x(threadgroup const float4* xs, uint i0, thread float* xv) {
     float s = 0.0f;
 #pragma clang loop unroll(full)
-    for (uint k = 0; k < QMV_VPT; ++k) {
-        xv[k] = run[k];
-        s += xv[k];
+    for (uint k = 0; k < RH / 4; ++k) {
+        const float4 v = xs[xs_index<SH>((i0 >> 2) + k)];
+        xv[4 * k] = v.x;
+        xv[4 * k + 1] = v.y;
+        xv[4 * k + 2] = v.z;
+        xv[4 * k + 3] = v.w;
+        s += v.x + v.y + v.z + v.w;
     }
     return s;
 }
 
+// NW (4, 2 or 1) consecutive words of a row from p: one 16- or 8-byte load when VEC (the address is
+// aligned), else word by word. `full` false (never with VEC): a 2-bit run cut by the end of its row, only the
+// first half of its words exist (the rest read as 0 and are never used). The two kinds of load live in
+// different instances (VEC a template parameter): in one function a compiler may merge them into word loads.
+template <int NW, bool VEC>
+METAL_FUNC void load_words(device const uint* p, bool full, thread uint* v) {
+    if (NW == 4 && VEC) {
+        const uint4 t = *((device const uint4*)p);
+        v[0] = t.x;
+        v[1] = t.y;
+        v[2] = t.z;
+        v[3] = t.w;
+    } else if (NW == 2 && VEC) {
+        const uint2 t = *((device const uint2*)p);
+        v[0] = t.x;
+        v[1] = t.y;
+    } else {
+#pragma clang loop unroll(full)
+        for (uint k = 0; k < NW; ++k) {
+            v[k] = 0u;
+            if (full || k < NW / 2) {
+                v[k] = p[k];
+            }
+        }
+    }
+}
+
+// acc + dot(codes of word w, xv[0 .. 32/BITS)), codes unscaled. Code k (bits kb = k * BITS ..) becomes a float
+// without a shift: or-ed in place under the exponent 150 - kb, the float is 2^(23-kb) + q exactly, and
+// subtracting that constant leaves q (an and-or and a subtract per code, no integer-to-float conversion).
+// Codes that reach past bit 22 take the same path from w >> 16.
+template <int BITS>
+METAL_FUNC float qdot_word(uint w, thread const float* xv, float acc) {
+    const uint mask = (1u << BITS) - 1u;
+    const uint nlo = (23 - BITS) / BITS + 1;  // codes 0 .. nlo-1 end at or below bit 22
+    const uint hi = w >> 16;
+#pragma clang loop unroll(full)
+    for (uint k = 0; k < 32 / BITS; ++k) {
+        const uint src = k < nlo ? w : hi;
+        const uint kb = (k < nlo ? k : k - 16 / BITS) * BITS;
+        const uint e = (150u - kb) << 23;
+        const float q = as_type<float>((src & (mask << kb)) | e) - as_type<float>(e);
+        acc = fma(q, xv[k], acc);
+    }
+    return acc;
+}
+
+// One row's share of a half run: scale * dot(q, x) + bias * sum(x) over the NW words at v (RH inputs in xv
+// summing to xsum, all in group `group`, a flat index into scales/biases).
+template <int BITS, int NW>
+METAL_FUNC float qrow_part(qmat m, thread const uint* v, uint group, thread const float* xv, float xsum) {
+    float d = 0.0f;
+#pragma clang loop unroll(full)
+    for (uint j = 0; j < NW; ++j) {
+        d = qdot_word<BITS>(v[j], xv + j * (32 / BITS), d);
+    }
+    return fma(float(m.scales[group]), d, float(m.biases[group]) * xsum);
+}
+
 // The matvec of one threadgroup (geometry in the header). NP = 1: y[t, o] = (W0 x[t])[o];
-// NP = 2: y[t, o] = silu((W0 x[t])[o]) * (W1 x[t])[o] (W1 unused when NP = 1).
+// NP = 2: y[t, o] = silu((W0 x[t])[o]) * (W1 x[t])[o] (W1 unused when NP = 1). VEC: every row of both
+// matrices starts 16-byte aligned (qmv_core checks), so runs are read 16 bytes at a time and a 2-bit row
+// (a multiple of 64 inputs then) never ends inside a run.
 // part: threadgroup float [QMV_SG * QMV_ROWS * 2], the per-simdgroup sums folded in a fixed order.
 // The row loops are unrolled and branch-free (rows past `out` are clamped to the last row and their results
-// dropped), so a lane issues the loads of all QMV_ROWS rows before it waits on any.
-template <int B0, int B1, int NP>
-inline void qmv_core(device const float* x, qmat m0, qmat m1, device float* y, uint in_dim, uint out_dim, uint gs,
-                     uint ksplit, threadgroup float* xs, threadgroup float* part, uint t, uint tgx, uint sg,
-                     uint tid, uint lane) {
+// dropped), so a lane issues the loads of all its rows (QMV_ROWS x NP of 16 bytes) before it waits on any.
+template <int B0, int B1, int NP, bool VEC>
+METAL_FUNC void qmv_tile(device const float* x, qmat m0, qmat m1, device float* y, uint in_dim, uint out_dim,
+                         uint gs, uint ksplit, threadgroup float4* xs, threadgroup float* part, uint t, uint tgx,
+                         uint sg, uint tid, uint lane) {
+    typedef qrun<B0, B1> RUN;
+    const uint R = RUN::R;
+    const uint NW0 = R * B0 / 32;      // words of matrix 0 per run
+    const uint NW1 = R * B1 / 32;      // matrix 1
     const uint nrb = QMV_SG / ksplit;  // row blocks per threadgroup
     const uint rb = sg % nrb;          // row block of this simdgroup
     const uint kp = sg / nrb;          // its share of the input steps
     const uint row0 = (tgx * nrb + rb) * QMV_ROWS;
     const uint gshift = gs == 32 ? 5u : (gs == 64 ? 6u : 7u);  // gs is 32, 64 or 128
     const uint ng = in_dim >> gshift;                            // groups per row
+    const uint rw0 = in_dim * B0 / 32;                           // words per row, matrix 0
+    const uint rw1 = in_dim * B1 / 32;
     device const float* xt = x + t * in_dim;
     uint wrow0[QMV_ROWS];  // first word of each row, matrix 0
     uint wrow1[QMV_ROWS];  // matrix 1
@@ -167,25 +230,42 @@ inline void qmv_core(device const float* x, qmat m0, qmat m1, device float* y, u
 #pragma clang loop unroll(full)
     for (uint r = 0; r < QMV_ROWS; ++r) {
         const uint row = min(row0 + r, out_dim - 1);
-        wrow0[r] = row * (in_dim * B0 / 32);
-        wrow1[r] = row * (in_dim * B1 / 32);
+        wrow0[r] = row * rw0;
+        wrow1[r] = row * rw1;
         grow[r] = row * ng;
         a0[r] = 0.0f;
         a1[r] = 0.0f;
     }
     for (uint c0 = 0; c0 < in_dim; c0 += QMV_XCHUNK) {
         const uint clen = min((uint)QMV_XCHUNK, in_dim - c0);
-        stage_x(xt, c0, clen, xs, tid);
-        for (uint i0 = (kp * 32 + lane) * QMV_VPT; i0 < clen; i0 += ksplit * 32 * QMV_VPT) {
-            float xv[QMV_VPT];
-            const float xsum = load_lane_x(xs, i0, xv);
-            const uint i = c0 + i0;      // input index within the row
-            const uint g = i >> gshift;  // its group within the row
+        stage_x<RUN::SH>(xt, c0, clen, xs, tid);
+        for (uint i0 = (kp * 32 + lane) * R; i0 < clen; i0 += ksplit * 32 * R) {
+            const uint i = c0 + i0;            // input index within the row
+            const bool full = VEC || i0 + R <= clen;  // false only for a 2-bit run cut to its first half
+            uint v0[QMV_ROWS][4];
+            uint v1[QMV_ROWS][4];
 #pragma clang loop unroll(full)
             for (uint r = 0; r < QMV_ROWS; ++r) {
-                a0[r] += qrow_part<B0>(m0, wrow0[r] + i * B0 / 32, grow[r] + g, xv, xsum);
+                load_words<NW0, VEC>(m0.w + wrow0[r] + i * B0 / 32, full, v0[r]);
                 if (NP == 2) {
-                    a1[r] += qrow_part<B1>(m1, wrow1[r] + i * B1 / 32, grow[r] + g, xv, xsum);
+                    load_words<NW1, VEC>(m1.w + wrow1[r] + i * B1 / 32, full, v1[r]);
+                }
+            }
+#pragma clang loop unroll(full)
+            for (uint h = 0; h < RUN::NH; ++h) {
+                if (h == 0 || full) {
+                    float xv[RUN::RH];
+                    const float xsum = load_lane_x<RUN::SH, RUN::RH>(xs, i0 + h * RUN::RH, xv);
+                    const uint g = (i + h * RUN::RH) >> gshift;  // the half's group within the row
+#pragma clang loop unroll(full)
+                    for (uint r = 0; r < QMV_ROWS; ++r) {
+                        a0[r] += qrow_part<B0, NW0 / RUN::NH>(m0, v0[r] + h * (NW0 / RUN::NH), grow[r] + g, xv,
+                                                               xsum);
+                        if (NP == 2) {
+                            a1[r] += qrow_part<B1, NW1 / RUN::NH>(m1, v1[r] + h * (NW1 / RUN::NH), grow[r] + g,
+                                                                   xv, xsum);
+                        }
+                    }
                 }
             }
         }
@@ -218,10 +298,26 @@ inline void qmv_core(device const float* x, qmat m0, qmat m1, device float* y, u
     }
 }
 
+// qmv_tile with 16-byte reads when both matrices' rows start 16-byte aligned (the buffers start aligned: the
+// launch builders see to it; records' components do), word reads otherwise (2-bit rows of an odd multiple
+// of 32 inputs). The condition is uniform over the threadgroup.
+template <int B0, int B1, int NP>
+METAL_FUNC void qmv_core(device const float* x, qmat m0, qmat m1, device float* y, uint in_dim, uint out_dim,
+                         uint gs, uint ksplit, threadgroup float4* xs, threadgroup float* part, uint t, uint tgx,
+                         uint sg, uint tid, uint lane) {
+    const bool vec0 = ((m0.wbyte | (in_dim * B0 / 8)) & 15u) == 0u;
+    const bool vec1 = NP == 1 || ((m1.wbyte | (in_dim * B1 / 8)) & 15u) == 0u;
+    if (vec0 && vec1) {  // (mixed-width gate/up pairs, rare, keep word reads: half the code)
+        qmv_tile<B0, B1, NP, B0 == B1>(x, m0, m1, y, in_dim, out_dim, gs, ksplit, xs, part, t, tgx, sg, tid, lane);
+    } else {
+        qmv_tile<B0, B1, NP, false>(x, m0, m1, y, in_dim, out_dim, gs, ksplit, xs, part, t, tgx, sg, tid, lane);
+    }
+}
+
 // Runtime (gate bits, up bits) -> the template instance; a pair outside {2,4,8}^2 computes nothing (the
 // launch builder refuses it). The condition is uniform over the grid, so every thread meets the same barriers.
-inline void gate_up_any(uint gate_bits, uint up_bits, device const float* x, qmat gate, qmat up, device float* h,
-                        uint in_dim, uint out_dim, uint gs, uint ksplit, threadgroup float* xs,
+METAL_FUNC void gate_up_any(uint gate_bits, uint up_bits, device const float* x, qmat gate, qmat up, device float* h,
+                        uint in_dim, uint out_dim, uint gs, uint ksplit, threadgroup float4* xs,
                         threadgroup float* part, uint t, uint tgx, uint sg, uint tid, uint lane) {
     const uint pair = gate_bits * 16 + up_bits;
     if (pair == 0x22) qmv_core<2, 2, 2>(x, gate, up, h, in_dim, out_dim, gs, ksplit, xs, part, t, tgx, sg, tid, lane);
@@ -247,9 +343,9 @@ kernel void qmv_b2(device const float* x [[buffer(0)]], device const uint* w [[b
                    uint3 tg [[threadgroup_position_in_grid]],
                    uint tid [[thread_index_in_threadgroup]],
                    uint sg [[simdgroup_index_in_threadgroup]], uint lane [[thread_index_in_simdgroup]]) {
-    threadgroup float xs[QMV_XCHUNK + QMV_XCHUNK / QMV_VPT];
+    threadgroup float4 xs[QMV_XCHUNK / 4];
     threadgroup float part[QMV_SG * QMV_ROWS * 2];
-    const qmat m = {w, scales, biases};
+    const qmat m = {w, scales, biases, 0u};
     qmv_core<2, 2, 1>(x, m, m, y + y_off, in_dim, out_dim, group_size, ksplit, xs, part, tg.y, tg.x, sg, tid,
                        lane);
 }
@@ -262,9 +358,9 @@ kernel void qmv_b4(device const float* x [[buffer(0)]], device const uint* w [[b
                    uint3 tg [[threadgroup_position_in_grid]],
                    uint tid [[thread_index_in_threadgroup]],
                    uint sg [[simdgroup_index_in_threadgroup]], uint lane [[thread_index_in_simdgroup]]) {
-    threadgroup float xs[QMV_XCHUNK + QMV_XCHUNK / QMV_VPT];
+    threadgroup float4 xs[QMV_XCHUNK / 4];
     threadgroup float part[QMV_SG * QMV_ROWS * 2];
-    const qmat m = {w, scales, biases};
+    const qmat m = {w, scales, biases, 0u};
     qmv_core<4, 4, 1>(x, m, m, y + y_off, in_dim, out_dim, group_size, ksplit, xs, part, tg.y, tg.x, sg, tid,
                        lane);
 }
@@ -277,9 +373,9 @@ kernel void qmv_b8(device const float* x [[buffer(0)]], device const uint* w [[b
                    uint3 tg [[threadgroup_position_in_grid]],
                    uint tid [[thread_index_in_threadgroup]],
                    uint sg [[simdgroup_index_in_threadgroup]], uint lane [[thread_index_in_simdgroup]]) {
-    threadgroup float xs[QMV_XCHUNK + QMV_XCHUNK / QMV_VPT];
+    threadgroup float4 xs[QMV_XCHUNK / 4];
     threadgroup float part[QMV_SG * QMV_ROWS * 2];
-    const qmat m = {w, scales, biases};
+    const qmat m = {w, scales, biases, 0u};
     qmv_core<8, 8, 1>(x, m, m, y + y_off, in_dim, out_dim, group_size, ksplit, xs, part, tg.y, tg.x, sg, tid,
                        lane);
 }
@@ -298,11 +394,11 @@ kernel void qmv_rec_b2(device const float* x [[buffer(0)]], device const uchar* 
                        uint3 tg [[threadgroup_position_in_grid]],
                        uint tid [[thread_index_in_threadgroup]], uint sg [[simdgroup_index_in_threadgroup]],
                        uint lane [[thread_index_in_simdgroup]]) {
-    threadgroup float xs[QMV_XCHUNK + QMV_XCHUNK / QMV_VPT];
+    threadgroup float4 xs[QMV_XCHUNK / 4];
     threadgroup float part[QMV_SG * QMV_ROWS * 2];
     device const uchar* r = rec + tg.z * rec_stride;  // expert tg.z of the batch
     const qmat m = {(device const uint*)(r + w_off), (device const bfloat*)(r + s_off),
-                    (device const bfloat*)(r + b_off)};
+                    (device const bfloat*)(r + b_off), tg.z * rec_stride + w_off};
     qmv_core<2, 2, 1>(x + tg.z * x_stride, m, m, y + y_off + tg.z * y_stride, in_dim, out_dim, group_size,
                        ksplit, xs, part, tg.y, tg.x, sg, tid, lane);
 }
@@ -317,11 +413,11 @@ kernel void qmv_rec_b4(device const float* x [[buffer(0)]], device const uchar* 
                        uint3 tg [[threadgroup_position_in_grid]],
                        uint tid [[thread_index_in_threadgroup]], uint sg [[simdgroup_index_in_threadgroup]],
                        uint lane [[thread_index_in_simdgroup]]) {
-    threadgroup float xs[QMV_XCHUNK + QMV_XCHUNK / QMV_VPT];
+    threadgroup float4 xs[QMV_XCHUNK / 4];
     threadgroup float part[QMV_SG * QMV_ROWS * 2];
     device const uchar* r = rec + tg.z * rec_stride;  // expert tg.z of the batch
     const qmat m = {(device const uint*)(r + w_off), (device const bfloat*)(r + s_off),
-                    (device const bfloat*)(r + b_off)};
+                    (device const bfloat*)(r + b_off), tg.z * rec_stride + w_off};
     qmv_core<4, 4, 1>(x + tg.z * x_stride, m, m, y + y_off + tg.z * y_stride, in_dim, out_dim, group_size,
                        ksplit, xs, part, tg.y, tg.x, sg, tid, lane);
 }
@@ -336,11 +432,11 @@ kernel void qmv_rec_b8(device const float* x [[buffer(0)]], device const uchar* 
                        uint3 tg [[threadgroup_position_in_grid]],
                        uint tid [[thread_index_in_threadgroup]], uint sg [[simdgroup_index_in_threadgroup]],
                        uint lane [[thread_index_in_simdgroup]]) {
-    threadgroup float xs[QMV_XCHUNK + QMV_XCHUNK / QMV_VPT];
+    threadgroup float4 xs[QMV_XCHUNK / 4];
     threadgroup float part[QMV_SG * QMV_ROWS * 2];
     device const uchar* r = rec + tg.z * rec_stride;  // expert tg.z of the batch
     const qmat m = {(device const uint*)(r + w_off), (device const bfloat*)(r + s_off),
-                    (device const bfloat*)(r + b_off)};
+                    (device const bfloat*)(r + b_off), tg.z * rec_stride + w_off};
     qmv_core<8, 8, 1>(x + tg.z * x_stride, m, m, y + y_off + tg.z * y_stride, in_dim, out_dim, group_size,
                        ksplit, xs, part, tg.y, tg.x, sg, tid, lane);
 }
@@ -359,10 +455,10 @@ kernel void gate_up_swiglu(device const float* x [[buffer(0)]], device const uin
                            uint3 tg [[threadgroup_position_in_grid]],
                            uint tid [[thread_index_in_threadgroup]],
                            uint sg [[simdgroup_index_in_threadgroup]], uint lane [[thread_index_in_simdgroup]]) {
-    threadgroup float xs[QMV_XCHUNK + QMV_XCHUNK / QMV_VPT];
+    threadgroup float4 xs[QMV_XCHUNK / 4];
     threadgroup float part[QMV_SG * QMV_ROWS * 2];
-    const qmat gate = {gw, gsc, gbi};
-    const qmat up = {uw, usc, ubi};
+    const qmat gate = {gw, gsc, gbi, 0u};
+    const qmat up = {uw, usc, ubi, 0u};
     gate_up_any(gate_bits, up_bits, x, gate, up, h, in_dim, out_dim, group_size, ksplit, xs, part, tg.y, tg.x, sg,
                 tid, lane);
 }
@@ -384,13 +480,13 @@ kernel void gate_up_swiglu_rec(device const float* x [[buffer(0)]], device const
                                uint tid [[thread_index_in_threadgroup]],
                                uint sg [[simdgroup_index_in_threadgroup]],
                                uint lane [[thread_index_in_simdgroup]]) {
-    threadgroup float xs[QMV_XCHUNK + QMV_XCHUNK / QMV_VPT];
+    threadgroup float4 xs[QMV_XCHUNK / 4];
     threadgroup float part[QMV_SG * QMV_ROWS * 2];
     device const uchar* r = rec + tg.z * rec_stride;  // expert tg.z of the batch
     const qmat gate = {(device const uint*)(r + gw_off), (device const bfloat*)(r + gs_off),
-                       (device const bfloat*)(r + gb_off)};
+                       (device const bfloat*)(r + gb_off), tg.z * rec_stride + gw_off};
     const qmat up = {(device const uint*)(r + uw_off), (device const bfloat*)(r + us_off),
-                     (device const bfloat*)(r + ub_off)};
+                     (device const bfloat*)(r + ub_off), tg.z * rec_stride + uw_off};
     gate_up_any(gate_bits, up_bits, x + tg.z * x_stride, gate, up, h + tg.z * h_stride, in_dim, out_dim,
                 group_size, ksplit, xs, part, tg.y, tg.x, sg, tid, lane);
 }

@@ -31,15 +31,18 @@ KERNEL_BITS = (2, 4, 8)  # bit widths with kernels (3-bit codes straddle words: 
 
 QMV_SG = 8  # simdgroups per threadgroup
 QMV_ROWS = 4  # output rows per simdgroup
-QMV_VPT = 16  # consecutive inputs per lane per step
-QMV_XCHUNK = 2048  # floats of x staged in threadgroup memory at a time
+QMV_VPT = 16  # inputs in 16 bytes of 8-bit codes: a lane reads QMV_VPT * 8 / bits inputs of a row per step
+QMV_XCHUNK = 4096  # floats of x staged in threadgroup memory at a time
 QEMB_TG = 64  # threads per threadgroup of qembed
 QCOMB_TG = 256  # threads per threadgroup of moe_combine
 
 KSPLITS = (1, 2, 4, 8)  # simdgroups that may share a block of rows (a kernel parameter)
 # qmv / gate_up dispatches aim for at least this many threadgroups (row blocks x tokens x experts): measured on
 # an H200 (132 SMs), one expert's 1024 x 4096 4-bit gate/up took 8.8 us with 4 simdgroups per row block (128
-# groups) and 41.7 us with 1 (32 groups), while a batch of 10 experts or a 65536-row matrix ran fastest unsplit.
+# groups) and 41.7 us with 1 (32 groups), while a batch of 10 experts or a 65536-row matrix ran fastest unsplit;
+# with the 16-byte-per-lane kernels (benchmarks/gpu.py --only bandwidth, L2-cold, CUDA graph): 4096 x 4096 4-bit
+# 9.9 us at ksplit 2 vs 12.3 at 1, 1024 x 4096 6.8-6.9 us at 4-8 vs 11.7 at 1, the 10-expert batch 60 us at 1
+# vs 75 at 2, 65536 x 4096 84 us at 1 vs 101 at 2.
 TARGET_GROUPS = 256
 # ... but a matrix smaller than this many weights is not split: its time is launch latency on any GPU, and
 # unsplit it costs the CPU emulator 8x fewer threads (tiny test models run whole through it).
@@ -96,7 +99,19 @@ def _qtensor(w, scales, biases, bits: int, gs: int, in_dim: int, name: str):
     for part, a in (("scales", scales), ("biases", biases)):
         if a.shape != (w.shape[0], in_dim // gs):
             raise ShapeError(f"{name}: {part} have shape {a.shape}, expected {(w.shape[0], in_dim // gs)}")
-    return np.ascontiguousarray(w), np.ascontiguousarray(scales), np.ascontiguousarray(biases)
+    return _aligned16(np.ascontiguousarray(w)), np.ascontiguousarray(scales), np.ascontiguousarray(biases)
+
+
+def _aligned16(a: np.ndarray) -> np.ndarray:
+    """`a` itself when its data starts on a 16-byte boundary (numpy's and the readers' buffers do), else an
+    aligned copy: the matvec kernels read packed weights 16 bytes at a time from the start of a buffer."""
+    if a.ctypes.data % 16 == 0:
+        return a
+    raw = np.empty(a.nbytes + 16, dtype=np.uint8)
+    off = (-raw.ctypes.data) % 16
+    out = raw[off:off + a.nbytes].view(a.dtype).reshape(a.shape)
+    out[...] = a
+    return out
 
 
 def _out(out, shape: tuple[int, ...], name: str, offset: int = 0) -> np.ndarray:
@@ -125,7 +140,8 @@ def _records(record, layout: RecordLayout) -> tuple[np.ndarray, int, int]:
     if (n - 1) * size + layout.payload_size >= _U32:
         raise ShapeError(f"{n} expert records of {size} bytes: byte offsets do not fit the kernels' uint",
                          hint="run fewer experts per dispatch")
-    return (record if record.ndim == 1 else record.reshape(-1)), n, size  # a view: no copy of the bytes
+    flat = record if record.ndim == 1 else record.reshape(-1)  # a view: no copy of the bytes
+    return _aligned16(flat), n, size  # (copied only if it does not start 16-byte aligned)
 
 
 def _expert_x(x, n: int, width: int, what: str) -> tuple[np.ndarray, int, int]:
