@@ -300,6 +300,27 @@ def test_qmatmul_wide_input_spans_several_staged_chunks(emu):
     assert err.max() <= 1e-5
 
 
+@pytest.mark.parametrize("bits,gs,in_dim", [(2, 32, 32), (2, 32, 96), (4, 32, 96), (2, 32, 4096 + 32),
+                                             (8, 32, 4096 + 96), (4, 64, 2 * 4096 + 64)])
+def test_qmatmul_rows_off_16_byte_alignment_and_long_tails(emu, bits, gs, in_dim):
+    # 2-bit rows of 32 or 96 inputs are 8 / 24 bytes: the word-by-word path; the long ones stage x in
+    # several chunks and end in a partial step; 13 rows: a partial row block
+    r = rng("align", bits, gs, in_dim)
+    w, s, b = qweights(r, 13, in_dim, bits, gs)
+    for T in (1, 2):
+        x = r.standard_normal((T, in_dim)).astype(np.float32)
+        y = OQ.qmatmul(emu, x, w, s, b, bits, gs)
+        err = np.abs(y.astype(np.float64) - REF.qmatmul(x, w, s, b, bits, gs)) / term_scale(x, w, s, b, bits, gs)
+        assert err.max() <= 1e-5, (T, err.max())
+    # the same rows from a buffer that starts 8 bytes past 16-byte alignment (the launch copies it)
+    wb = np.empty(w.size + 4, np.uint32)
+    start = (-wb.ctypes.data // 4 + 2) % 4
+    wm = wb[start : start + w.size].reshape(w.shape)
+    wm[...] = w
+    assert wm.ctypes.data % 16 == 8
+    assert np.array_equal(OQ.qmatmul(emu, x, wm, s, b, bits, gs), OQ.qmatmul(emu, x, w, s, b, bits, gs))
+
+
 @pytest.mark.parametrize("bits", [2, 8])
 def test_record_matvec_equals_dense_matvec(emu, bits):
     # the same weights through qmv_rec_b* (offsets into a record) and qmv_b* (three buffers), written at an
