@@ -29,6 +29,17 @@ How ``qmatmul`` (the hot kernel: decode is a T=1 matvec over 4-bit expert projec
     decoded once per block of 4 tokens (shift and mask per code, 4 accumulators), which wins while 4 tokens
     of xp fit in L1. Tokens are tiled so that a tile of xp stays in L2.
   * 3-bit weights (codes straddle words) fall back to dequantize-in-chunks + matmul, as the reference does.
+  * The per-row helpers (_qwords, _segsum, _row1, _row_tokens) are inlined into their callers (numba
+    inline="always"): a call between jitted functions is not inlined by LLVM and passes every array as an
+    exploded struct, which for 1024-wide rows cost a fifth of the time (after inlining: down projection
+    [4096 x 1024] at T=1 x1.2-1.3 at 4 bits, x1.1-1.5 at 8 bits, same results). _row4 stays a call: inlined
+    into both parallel kernels it made the first compile ~13 s longer for ~no gain.
+  * By default on x86 with AVX2 (INT_DOT_MODE = 32), 2/4-bit weights go through kernels_intdot instead
+    where the token-by-token kernels would run (_one_by_one): x split per group into two 16-bit integers
+    (quantized value and rounded residual), codes times ints in vpmaddwd; as accurate as the float kernels,
+    expert FFN T=1 on 2 threads x1.28 (4-bit) / x1.65 (2-bit). Opt-in modes 16 / 8 (int16 / int8
+    activations, MOEPACK_INT_DOT=16 / MOEPACK_INT8_DOT=1) are faster still and beyond the parity tolerance;
+    MOEPACK_INT_DOT=0 restores the float kernels. See kernels_intdot.
 
 Numerics (what the tests hold this module to)
   * ``qmatmul``/``expert_ffn``: fastmath ``reassoc`` + ``contract`` on the reductions only (needed to
@@ -61,6 +72,7 @@ from numba import njit, prange
 
 from ..errors import ShapeError
 from ..quant.affine_ref import check_bits, check_group_size
+from . import kernels_intdot as _KI
 from .kernels_ref import __all__  # noqa: F401  the kernel contract: the same names as the reference
 from .shapes import check_attention, check_gated_delta, check_rope, check_router_k
 
@@ -176,7 +188,7 @@ def _q2(wj, xp, t, j):
     return q
 
 
-@njit(fastmath=_FM, **_JIT)
+@njit(inline="always", **_JIT)
 def _qwords(wr, xp, t, bits, qb):
     """qb[j] = dot(codes of word j of the packed row wr, x[t]) (xp pre-scaled): no scale, no reduction across
     words, so LLVM vectorises it 8 words wide with nothing but and, int->float and fma per code."""
@@ -199,7 +211,7 @@ def _seg(qb, sr, br, xs, t, wpg):
     return acc
 
 
-@njit(fastmath=_FM, **_JIT)
+@njit(inline="always", **_JIT)
 def _segsum(qb, sr, br, xs, t, lw):
     """sum_g scale[g] * (sum of qb over the words of group g) + bias[g] * xs[t, g]. With a literal group width
     LLVM vectorises this across 8 groups at a time (the words of a group gathered by shuffles), so neither a
@@ -217,7 +229,7 @@ def _segsum(qb, sr, br, xs, t, lw):
     return _seg(qb, sr, br, xs, t, 1 << lw)
 
 
-@njit(**_JIT)
+@njit(fastmath=_FM, **_JIT)
 def _rows1(w, scales, biases, r0, r1, xp, xs, t0, t1, bits, lw, qb, y):
     """y[t0:t1, r0:r1] token by token (xp pre-scaled; qb: scratch [nw]); the row stays in L1 meanwhile."""
     for r in range(r0, r1):
@@ -244,7 +256,7 @@ def _rows1_par(w, scales, biases, xp, xs, t0, t1, bits, lw, y):
 
 # Several tokens: each word is decoded once per block of 4 tokens (shift and mask per code), tokens tiled
 # so that a tile of xp stays in L2.
-@njit(fastmath=_FM, **_JIT)
+@njit(inline="always", **_JIT)
 def _row1(wr, sr, br, xp, xs, t, bits, lw):
     """One output: dot(dequant(row), x[t]) from the packed row wr [nw] and its bf16 scales/biases [ng].
 
@@ -354,7 +366,7 @@ def _row4(wr, sr, br, xp, xs, t, bits, lw):
     return a0 + b0, a1 + b1, a2 + b2, a3 + b3
 
 
-@njit(fastmath=_FM, **_JIT)
+@njit(inline="always", **_JIT)
 def _row_tokens(wr, sr, br, xp, xs, t0, t1, bits, lw, y, r):
     """y[t, r] for t in [t0, t1): one weight row against a tile of tokens, 4 at a time."""
     t = t0
@@ -420,6 +432,30 @@ def _prepped(x, bits, gs, pre):
     return xp, xs
 
 
+# Integer dot products (kernels_intdot): 32 (default with AVX2: two 16-bit integers per input, float-grade),
+# 16 / 8 (int16 / int8 activations: faster, beyond the mlx-lm parity tolerance), 0 = the float kernels.
+# Read at import from the environment (kernels_intdot.default_mode); assign to change it at run time.
+INT_DOT_MODE = _KI.default_mode()
+
+
+def _int_mode(T: int, in_dim: int, bits: int, gs: int) -> int:
+    """Mode of the integer path for this projection, 0 for the float kernels. When switched on it takes every
+    projection it supports, at any T: measured faster than the float kernels everywhere (paired medians,
+    1-2 threads, int16 = mode 16: T=1 [1024 x 4096] 4-bit x1.7-2.2, int8 x1.9-2.5, 2-bit x1.8-2.3 / x2.2-3.0;
+    [4096 x 1024] x1.4-2.3; T=4 [4096 x 1024] x1.1-1.4; T=16 x1.3-1.9; mode 32 expert FFN T=1 4-bit x1.3-1.4,
+    2-bit x1.6-1.7). 8-bit weights: mode 16 only (see kernels_intdot.supports), measured T=1 x1.6-2.1.
+    Except mode 32 at T >= 4 with inputs <= _ROW4_MAX_IN: there the float 4-token row kernel is faster
+    ([4096 x 1024] T=4 x0.79-0.89 for mode 32, T=16 x0.96-0.99, T=64 x0.90-1.0), so it keeps that."""
+    mode = INT_DOT_MODE
+    if not mode:
+        return 0
+    if bits == 8 and mode == 8:
+        mode = 16  # 8-bit activations would saturate vpmaddubsw against 8-bit codes
+    if mode == 32 and not _one_by_one(T, in_dim, bits):
+        return 0
+    return mode if _KI.supports(bits, gs, in_dim, mode) else 0
+
+
 # The drivers below are plain Python on purpose: numba optimises every jitted function together with the
 # callees linked into it, so each jitted caller of the (large) row code pays its compile time again. Kept
 # in Python, the row code is linked into two kernels only (_rows_par, _gate_up_par); a call costs ~1-2 us.
@@ -428,6 +464,10 @@ def _prepped(x, bits, gs, pre):
 def _qmm(x, w, scales, biases, bits, gs, y):
     """y [T, out] = x [T, in] @ dequant(w).T for bits 2, 4, 8, one L2-sized tile of tokens at a time."""
     T, n = x.shape
+    mode = _int_mode(T, n, bits, gs)
+    if mode:
+        _KI.qmm(x, w, scales, biases, bits, gs, mode, y)
+        return
     lw = _log2(gs * bits // 32)
     one = _one_by_one(T, n, bits)
     xp, xs = _prepped(x, bits, gs, one)
@@ -443,6 +483,10 @@ def _ffn(x, gw, gsc, gbi, uw, usc, ubi, dw, dsc, dbi, gbits, ubits, dbits, gs, y
     """y [T, D] = down(silu(gate(x)) * up(x))."""
     T, D = x.shape
     I = gw.shape[0]
+    gm, um = _int_mode(T, D, gbits, gs), _int_mode(T, D, ubits, gs)
+    if gm and um:
+        _ffn_int(x, gw, gsc, gbi, uw, usc, ubi, dw, dsc, dbi, gbits, ubits, dbits, gs, gm, um, y)
+        return
     one = _one_by_one(T, D, gbits, ubits)
     xpg, xsg = _prepped(x, gbits, gs, one)
     xpu, xsu = (xpg, xsg) if ubits == gbits else _prepped(x, ubits, gs, one)
@@ -453,6 +497,23 @@ def _ffn(x, gw, gsc, gbi, uw, usc, ubi, dw, dsc, dbi, gbits, ubits, dbits, gs, y
     for t0 in range(0, T, tt):
         par = _gate_up1_par if one else _gate_up_par
         par(gw, gsc, gbi, uw, usc, ubi, xpg, xsg, xpu, xsu, t0, min(T, t0 + tt), gbits, ubits, lg, lu, h, u)
+    _qmm(_ro(h), dw, dsc, dbi, dbits, gs, y)
+
+
+def _ffn_int(x, gw, gsc, gbi, uw, usc, ubi, dw, dsc, dbi, gbits, ubits, dbits, gs, gm, um, y):
+    """_ffn with gate and up through the integer path (x quantized once per bit width); down picks its own."""
+    T, D = x.shape
+    I = gw.shape[0]
+    xg = _KI.prepped(x, gbits, gs, gm)
+    xu = xg if (ubits, um) == (gbits, gm) else _KI.prepped(x, ubits, gs, um)
+    gG2, uG2 = _KI.geometry(gbits, gs, gm)[1], _KI.geometry(ubits, gs, um)[1]
+    h = np.empty((T, I), np.float32)  # gate, then silu(gate) * up
+    u = np.empty((T, I), np.float32)
+    tt = _KI.token_tile(D)
+    gw8, uw8 = gw.view(np.uint8), uw.view(np.uint8)
+    for t0 in range(0, T, tt):
+        _KI.gate_up_par(gw8, gsc, gbi, uw8, usc, ubi, xg, xu, t0, min(T, t0 + tt), gbits, ubits, gs,
+                        gG2, uG2, h, u)
     _qmm(_ro(h), dw, dsc, dbi, dbits, gs, y)
 
 
