@@ -333,3 +333,28 @@ def test_openmp_wait_follows_the_io_mode_and_never_overrides_the_user(monkeypatc
     monkeypatch.delenv("GOMP_SPINCOUNT", raising=False)
     _openmp_wait(io)
     assert os.environ["OMP_WAIT_POLICY"] == "ACTIVE" and "GOMP_SPINCOUNT" not in os.environ
+
+
+def test_dot_chooses_the_cpu_matvec_arithmetic(ckpt, capsys, tmp_path, monkeypatch):
+    from moepack.runtime import kernels_numba
+
+    monkeypatch.setattr(kernels_numba, "INT_DOT_MODE", kernels_numba.INT_DOT_MODE)  # restored afterwards
+    _, packed = ckpt
+    logits = {}
+    for dot in ("float", "int16x2", "int16", "int8"):
+        f = tmp_path / f"{dot}.npy"
+        code, out, err = cli(capsys, "run", packed, "--prompt-ids", "1,37,200,5,88", "--max-tokens", "2",
+                             "--backend", "cpu", "--dot", dot, "--dump-logits", f, "--json")
+        assert code == 0, err
+        assert json.loads(out)["stats"]["dot"] == dot == kernels_numba.dot_mode_name()
+        logits[dot] = np.load(f)
+    scale = np.abs(logits["float"]).max()
+    # int16x2 is float-grade; int16 and int8 trade accuracy for speed, in that order
+    assert np.abs(logits["int16x2"] - logits["float"]).max() <= 1e-4 * scale
+    assert np.abs(logits["int16"] - logits["float"]).max() <= 1e-2 * scale
+    assert not np.array_equal(logits["int8"], logits["float"])
+    code, out, err = cli(capsys, "run", packed, "--prompt-ids", "1,2", "--dot", "fp8")
+    assert code != 0 and "fp8" in err and "Traceback" not in err
+    code, out, err = cli(capsys, "run", packed, "--prompt-ids", "1,2", "--max-tokens", "1", "--backend", "numpy",
+                         "--json")
+    assert code == 0 and json.loads(out)["stats"]["dot"] is None  # the numpy reference has one arithmetic

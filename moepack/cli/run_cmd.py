@@ -47,6 +47,12 @@ def _model_options(f):
                           "mapping, pread the rest), mapped (as hybrid, but a wholly cached expert is used in place: no "
                           "copy), auto (what `moepack bench-io` saved for this model or disk, else mapped on the "
                           "CPU backends and pread on the GPU ones)."),
+        click.option("--dot", type=click.Choice(("auto", "float", "int16x2", "int16", "int8")), default="auto",
+                     show_default=True,
+                     help="Arithmetic of the cpu backend's 2/4-bit matvecs: int16x2 (auto's choice with AVX2: "
+                          "integer dot products, as accurate as float), float, or faster and less exact: "
+                          "int16 (~1.1x; logits move ~1e-3 of their range) and int8 (llama.cpp's activations; "
+                          "tokens can change)."),
         click.option("--split", type=click.IntRange(min=1), default=1, show_default=True, metavar="N",
                      help="Read each expert as N 16 KiB-aligned chunks on N threads."),
         click.option("--session", type=click.Path(dir_okay=False), default=None, metavar="FILE",
@@ -89,6 +95,13 @@ def _warnings_as_lines():
         warnings.simplefilter("always")
         warnings.showwarning = lambda message, *a, **k: click.echo(f"warning: {message}", err=True)
         yield
+
+
+def _set_dot(dot: str) -> None:
+    if dot != "auto":
+        from ..runtime import kernels_numba
+
+        kernels_numba.set_dot_mode(dot)
 
 
 def _openmp_wait_for(packed: str, io: str, split: int, backend: str) -> None:
@@ -140,7 +153,7 @@ def summary(stats: dict) -> str:
     line2 = (f"generated {s['generated_tokens']} ({s['finish_reason']}), decode {dec}, experts "
              f"{_mb(s['expert_bytes_per_token'])}/token at K={s['experts_per_token']}, I/O wait "
              f"{s['io_wait_s']:.2f} s vs compute {s['compute_s']:.2f} s, peak RSS {_mb(s['peak_rss_bytes'])} "
-             f"[{s['backend']}, {s['io']}]")
+             f"[{s['backend']}, {s['io']}" + (f", {s['dot']}" if s.get("dot") else "") + "]")
     return line1 + "\n" + line2
 
 
@@ -184,7 +197,7 @@ def _report(stats: dict, show_stats: bool) -> None:
 @click.option("--json", "as_json", is_flag=True,
               help='Print one JSON object {"tokens", "text", "stats"} and nothing else on stdout.')
 def run_cmd(packed, revision, prompt, prompt_ids, raw, max_tokens, temperature, top_p, top_k, seed, experts_per_token,
-            backend, io, split, session, show_stats, dump_logits, as_json):
+            backend, io, dot, split, session, show_stats, dump_logits, as_json):
     """Generate text with a packed model on the CPU, streaming its experts from disk.
 
     The text streams to stdout as it is generated; timings (prefill and decode tok/s, time to first token,
@@ -207,6 +220,7 @@ def run_cmd(packed, revision, prompt, prompt_ids, raw, max_tokens, temperature, 
 
     packed = resolve_packed(packed, revision, progress=not as_json)
     _openmp_wait_for(packed, io, split, backend)
+    _set_dot(dot)
     streamed = []
 
     def on_text(piece: str) -> None:
@@ -249,8 +263,8 @@ def _read_line(interactive: bool) -> str | None:
 @click.option("--revision", default=None, help="Hub revision when PACKED is a repo id.")
 @_model_options
 @click.option("--system", default=None, metavar="TEXT", help="System message at the start of a new conversation.")
-def chat_cmd(packed, revision, max_tokens, temperature, top_p, top_k, seed, experts_per_token, backend, io, split,
-             session, show_stats, system):
+def chat_cmd(packed, revision, max_tokens, temperature, top_p, top_k, seed, experts_per_token, backend, io, dot,
+             split, session, show_stats, system):
     """Chat with a packed model in the terminal, one turn after another.
 
     Each turn sends the whole conversation through the chat template, but only the tokens the cache does not
@@ -269,6 +283,7 @@ def chat_cmd(packed, revision, max_tokens, temperature, top_p, top_k, seed, expe
 
     packed = resolve_packed(packed, revision)
     _openmp_wait_for(packed, io, split, backend)
+    _set_dot(dot)
     from ..runtime.generate import MIN_SAFE_K, chat_turn, open_model
     from ..runtime.sampling import check_sampling
     from ..runtime.session import Session, open_session

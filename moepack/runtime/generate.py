@@ -197,6 +197,7 @@ def generate(model, context, *, session: Session | None = None, tokenizer=None, 
     stats = {
         "backend": model.backend,
         "io": model.reader.io,
+        "dot": model.K.dot_mode_name() if hasattr(model.K, "dot_mode_name") else None,
         "experts_per_token": model.experts_per_token,
         "prompt_tokens": len(context),
         "reused_tokens": reused,

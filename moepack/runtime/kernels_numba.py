@@ -436,6 +436,21 @@ def _prepped(x, bits, gs, pre):
 # 16 / 8 (int16 / int8 activations: faster, beyond the mlx-lm parity tolerance), 0 = the float kernels.
 # Read at import from the environment (kernels_intdot.default_mode); assign to change it at run time.
 INT_DOT_MODE = _KI.default_mode()
+DOT_MODES = {"float": 0, "int16x2": 32, "int16": 16, "int8": 8}  # `moepack run --dot NAME`
+
+
+def set_dot_mode(name: str) -> None:
+    """Choose the matvec arithmetic by name (DOT_MODES): 'int16x2' is as accurate as 'float'; 'int16' and
+    'int8' are faster and move the logits beyond the mlx-lm parity tolerance (see kernels_intdot)."""
+    global INT_DOT_MODE
+    if name not in DOT_MODES:
+        raise ShapeError(f"unknown dot mode {name!r}: one of {', '.join(DOT_MODES)}")
+    INT_DOT_MODE = DOT_MODES[name]
+
+
+def dot_mode_name() -> str:
+    """The arithmetic 2/4-bit matvecs use now (the stats report it)."""
+    return {v: k for k, v in DOT_MODES.items()}.get(INT_DOT_MODE, str(INT_DOT_MODE))
 
 
 def _int_mode(T: int, in_dim: int, bits: int, gs: int) -> int:
