@@ -54,7 +54,7 @@ from .layout.manifest import LayerEntry, Manifest, save_manifest
 from .layout.reader import BUFFER_ALIGN, PackedModel, aligned_empty, pread_into
 from .layout.record import record_layout
 from .runtime.io import ExpertReader
-from .runtime.residency import evict
+from .runtime.residency import available_ram, evict
 
 QWEN397 = MoeShape(num_layers=60, num_experts=512, experts_per_token=10, hidden=4096, moe_intermediate=1024)
 ALIGN_16K = 16 * 1024
@@ -350,7 +350,7 @@ def bench(pm: PackedModel, *, threads=(1, 2, 4, 8), splits=(1, 2, 4, 8), experts
             bar.advance(1)
     raw = raw_direct_bandwidth(pm.path / pm.manifest.layers[0].file)
     if resident_guess is None:
-        resident_guess = min(1.0, _available_ram() / max(1, pm.manifest.expert_bytes_total))
+        resident_guess = min(1.0, available_ram() / max(1, pm.manifest.expert_bytes_total))
     rec = recommend(cells, resident_guess)
     return {"machine": machine_info(), "packed": str(pm.path), "record_size": pm.layout(picks[0][0]).record_size,
             "experts": len(picks), "batch": batch, "threads": threads, "splits": splits,
@@ -374,19 +374,6 @@ def recommend(cells: list[Cell], resident: float) -> dict:
             best = (key, {"io": mode, "threads": t, "split": s, "warm_gb_s": st["warm"].gb_s,
                           "cold_gb_s": st["cold"].gb_s, "resident_guess": resident, "s_per_gb": score})
     return best[1] if best else {"io": "pread", "threads": 4, "split": 1}
-
-
-def _available_ram() -> int:
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 2
-    except (ValueError, OSError):
-        return 0
 
 
 def machine_info() -> dict:

@@ -176,3 +176,21 @@ def test_bench_io_on_a_packed_model_saves_for_that_model(capsys, tiny):
     assert "devices" not in saved  # tiny records say nothing about the disk
     with PackedModel(tiny) as pm:
         assert recommended_io(pm)["io"] == rec["io"]
+
+
+def test_auto_reads_in_place_only_when_the_experts_fit_in_memory(monkeypatch, tiny):
+    import moepack.runtime.io as rio
+
+    monkeypatch.setattr(rio, "available_ram", lambda: 10**12)
+    assert rio.default_io("cpu", 10**9) == "mapped" and rio.default_io("numpy", None) == "mapped"
+    assert rio.default_io("cuda", 1) == rio.default_io("metal", 1) == "pread"  # GPU decode wants record rows
+    monkeypatch.setattr(rio, "available_ram", lambda: 10**9)
+    assert rio.default_io("cpu", 8 * 10**8) == "mapped" and rio.default_io("cpu", 9 * 10**8) == "pread"
+    with PackedModel(tiny) as pm:  # nothing saved for it (own cache): the size decides
+        need = pm.manifest.expert_bytes_total
+        monkeypatch.setattr(rio, "available_ram", lambda: need)  # fits, but not with 20% to spare
+        assert planned_io(tiny, "auto", "cpu") == "pread"
+        with ExpertReader(pm, io="auto", auto_default=rio.default_io("cpu", need)) as r:
+            assert r.io == "pread" and r.auto is None
+        monkeypatch.setattr(rio, "available_ram", lambda: 2 * need)
+        assert planned_io(tiny, "auto", "cpu") == "mapped"

@@ -46,7 +46,7 @@ def _model_options(f):
                           "benchmarks), mmap (for comparison), hybrid (mincore: copy cached pages from a "
                           "mapping, pread the rest), mapped (as hybrid, but a wholly cached expert is used in place: no "
                           "copy), auto (what `moepack bench-io` saved for this model or disk, else mapped on the "
-                          "CPU backends and pread on the GPU ones)."),
+                          "CPU backends when the experts fit in memory, pread otherwise)."),
         click.option("--dot", type=click.Choice(("auto", "float", "int16x2", "int16", "int8")), default="auto",
                      show_default=True,
                      help="Arithmetic of the cpu backend's 2/4-bit matvecs: int16x2 (auto's choice with AVX2: "

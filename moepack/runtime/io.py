@@ -60,7 +60,7 @@ import numpy as np
 from ..errors import MoepackError, PackedModelError
 from ..layout.constants import RECORD_ALIGN
 from ..layout.reader import BUFFER_ALIGN, PackedModel, aligned_empty
-from .residency import FileMap, mincore_available, read_plan
+from .residency import FileMap, available_ram, mincore_available, read_plan
 
 IO_MODES = ("pread", "direct", "mmap", "hybrid", "mapped")
 IO_CHOICES = IO_MODES + ("auto",)  # what the CLI and load_model accept
@@ -445,19 +445,27 @@ class ExpertReader:
             s.pread_calls += preads
 
 
-def default_io(backend: str) -> str:
+# auto reads with 'mapped' when the model's experts take at most this share of the memory available
+FITS_IN_RAM = 0.8
+
+
+def default_io(backend: str, expert_bytes: int | None = None) -> str:
     """What ``io='auto'`` reads with when `moepack bench-io` saved nothing for the model or its disk.
 
-    CPU backends ('cpu', 'numpy', 'auto'): ``'mapped'`` where mincore() exists, else ``'pread'``. Measured with
-    benchmarks/decode.py (2-core VM, 397B expert shapes, K=4): in RAM 43 vs 33 tok/s (53 with brief thread
-    spinning); larger than RAM with ~6 GiB of page cache 4.1-5.0 vs 3.4 tok/s. Warm, a copying reader cannot
-    beat pread by much: pread into the reader's page-aligned buffers already runs at the speed of a memcpy
-    out of a mapping (moepack/iobench.py's docstring); only not copying does. GPU backends read with
-    ``'pread'``: their decode launches take the K records as one block of buffer rows, which records used in
-    place would break up."""
-    if backend in ("metal", "metal-emu", "cuda"):
+    CPU backends ('cpu', 'numpy', 'auto'), experts fitting in memory (`expert_bytes` at most FITS_IN_RAM of
+    what the OS could give now, page cache included): ``'mapped'`` where mincore() exists. Measured with
+    benchmarks/decode.py (2-core VM, 397B expert shapes, 2 layers in RAM): K=4 71 vs 47 tok/s, K=10 40 vs
+    23 with pread. Warm, a copying reader cannot beat pread by much: pread into the reader's page-aligned
+    buffers already runs at the speed of a memcpy out of a mapping (moepack/iobench.py's docstring); only
+    not copying does. Experts larger than memory, or GPU backends: ``'pread'``, trusting the page cache
+    (8 layers, 29 GB, ~6 GiB of cache, K=4: pread 3.7, mapped 3.2 tok/s, in place records being evicted
+    under the kernels; 'direct' 4.9 there but behind pread at K=10). GPU decode launches take the K records
+    as one block of buffer rows, which records used in place would break up."""
+    if backend in ("metal", "metal-emu", "cuda") or not mincore_available():
         return "pread"
-    return "mapped" if mincore_available() else "pread"
+    if expert_bytes is not None and expert_bytes > FITS_IN_RAM * available_ram():
+        return "pread"
+    return "mapped"
 
 
 def planned_io(packed_path, io: str, backend: str) -> str:
@@ -469,7 +477,11 @@ def planned_io(packed_path, io: str, backend: str) -> str:
     from ..iobench import recommended_io
 
     rec = recommended_io(packed_path)
-    return rec["io"] if rec else default_io(backend)
+    if rec:
+        return rec["io"]
+    from ..layout.manifest import load_manifest
+
+    return default_io(backend, load_manifest(packed_path).expert_bytes_total)
 
 
 def parse_io(spec: str) -> tuple[str, int | None]:

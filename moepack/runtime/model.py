@@ -110,7 +110,7 @@ class Model:
         try:
             self.decoder = self.arch.build(self.weights, packed, self.args)
             self.reader = ExpertReader(packed, io=io, threads=io_threads, split=io_split,
-                                       auto_default=default_io(backend))
+                                       auto_default=default_io(backend, packed.manifest.expert_bytes_total))
         except BaseException:
             self.weights.close()
             raise

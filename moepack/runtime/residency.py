@@ -220,6 +220,22 @@ class FileMap:
         self.close()
 
 
+def available_ram() -> int:
+    """Bytes of memory the OS could give a process now, page cache it may reclaim included (Linux
+    MemAvailable); elsewhere half the physical memory; 0 if unknown."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 2
+    except (ValueError, OSError, AttributeError):
+        return 0
+
+
 def evict(path: str | os.PathLike) -> float:
     """Drop `path`'s pages from the page cache; returns the fraction still resident afterwards (mincore).
 
