@@ -135,10 +135,13 @@ def test_set_dtype_float32_only_widens_floats(case):
     assert n_scales > 0
 
 
-def test_prefill_and_greedy_match_mlx(case):
+@pytest.mark.parametrize("backend", ["numpy", "numba"])
+def test_prefill_and_greedy_match_mlx(case, backend):
+    """The numpy reference and the cpu backend's default kernels (integer dot products where AVX2 is there:
+    kernels_numba.INT_DOT_MODE) both against mlx-lm in float32."""
     arch, src, packed = case
     ref_logits, ref_toks = _greedy_mlx(_mlx_model(src), PROMPT, N_DECODE)
-    with load_model(packed, backend="numpy") as model:
+    with load_model(packed, backend=backend) as model:
         logits, toks = _greedy_ours(model, PROMPT, N_DECODE)
         assert model.stats.tokens == len(PROMPT) + N_DECODE
     assert logits[0].shape == (len(PROMPT), 512)
@@ -154,12 +157,13 @@ def test_two_bit_experts_match_mlx(case, tmp_path):
     convert(str(src), packed2, bits=2, progress=False)
     mlx2 = _mlx_checkpoint_from_packed(packed2, tmp_path / "mlx2")
     ref_logits, ref_toks = _greedy_mlx(_mlx_model(mlx2), PROMPT, N_DECODE)
-    with load_model(packed2) as model:
-        assert model.decoder.layers[0].mlp.bits == (2, 2, 2)
-        logits, toks = _greedy_ours(model, PROMPT, N_DECODE)
-    diffs = [_rel_diff(a, b) for a, b in zip(logits, ref_logits)]
-    assert max(diffs) <= REL_TOL, f"{arch} 2-bit: max rel logit diff per step {diffs}"
-    assert toks == ref_toks
+    for backend in ("numpy", "numba"):
+        with load_model(packed2, backend=backend) as model:
+            assert model.decoder.layers[0].mlp.bits == (2, 2, 2)
+            logits, toks = _greedy_ours(model, PROMPT, N_DECODE)
+        diffs = [_rel_diff(a, b) for a, b in zip(logits, ref_logits)]
+        assert max(diffs) <= REL_TOL, f"{arch} 2-bit {backend}: max rel logit diff per step {diffs}"
+        assert toks == ref_toks, backend
 
 
 def test_decode_step_by_step_equals_prefill(case):

@@ -226,13 +226,14 @@ def test_soft_interrupt_turns_ctrl_c_into_a_stop_request():
 
     from moepack.cli.run_cmd import _soft_interrupt
 
+    before = signal.getsignal(signal.SIGINT)  # default_int_handler; SIG_IGN when started in the background
     with _soft_interrupt() as stopped:
         assert not stopped()
         os.kill(os.getpid(), signal.SIGINT)
         assert stopped()
         with pytest.raises(KeyboardInterrupt):
             os.kill(os.getpid(), signal.SIGINT)
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    assert signal.getsignal(signal.SIGINT) is before  # the previous handler is back
 
 
 def test_json_stats_are_serialisable(packs, tmp_path, capsys):
