@@ -19,8 +19,8 @@ output gates, the Gated-DeltaNet gates and q/k L2 norms, regrouping Qwen3-Next's
 kernels.
 
 The host cache is stale while the device holds the state: ``sync(cache)`` downloads the new KV rows and the
-linear-attention states back (``Model.sync_cache``; generate() does it for a session before it can be saved,
-and a prefill on the cache does it first).
+linear-attention states back (``Model.sync_cache``; ``Cache.state_dict()`` calls it itself through
+``cache.device_sync``, so sessions and truncation see the newest state; a prefill on the cache syncs first).
 """
 
 from __future__ import annotations
