@@ -110,8 +110,8 @@ def copy_vs_pread(path: Path, record: int, threads: int, n: int = 64) -> dict:
     offs = [i * record for i in range(n)]
     fd = os.open(path, os.O_RDONLY)
     m = mmap.mmap(fd, 0, prot=mmap.PROT_READ)
+    src = np.frombuffer(m, dtype=np.uint8)
     try:
-        src = np.frombuffer(m, dtype=np.uint8)
         aligned = [aligned_empty(record, 1 << 21) for _ in range(threads)]
         unaligned = [aligned_empty(record + 4096, 1 << 21)[16 : 16 + record] for _ in range(threads)]
         ways = {"pread_aligned": lambda i, b: os.preadv(fd, [b], offs[i]),
@@ -156,30 +156,38 @@ def run(pm: PackedModel, a) -> dict:
     dd_gbs = statistics.median(dd) if dd else None
     best_cold_mode = max(MODES, key=lambda m: med[(m, "cold")])
 
-    def g(m, s):
-        return med[(m, s)]
+    def figures_of(g, raw_, dd_):
+        """The ratios from one set of cell values g(mode, state) and raw bandwidths."""
 
-    def better(s):
-        return max(g("pread", s), g("mmap", s))
+        def better(st):
+            return max(g("pread", st), g("mmap", st))
 
-    figures = {
-        "cold_best_vs_raw_odirect": g(best_cold_mode, "cold") / raw_gbs,
-        "cold_best_vs_dd": g(best_cold_mode, "cold") / dd_gbs if dd_gbs else None,
-        "cold_pread_vs_raw_odirect": g("pread", "cold") / raw_gbs,
-        "cold_hybrid_vs_raw_odirect": g("hybrid", "cold") / raw_gbs,
-        "warm_hybrid_vs_better_pure": g("hybrid", "warm") / better("warm"),
-        "cold_hybrid_vs_better_pure": g("hybrid", "cold") / better("cold"),
-        "half_hybrid_vs_pread": g("hybrid", "half") / g("pread", "half"),
-        "half_hybrid_vs_mmap": g("hybrid", "half") / g("mmap", "half"),
-        "warm_hybrid_vs_warm_pread": g("hybrid", "warm") / g("pread", "warm"),
-        "cached_hybrid_vs_cached_pread": g("hybrid", "cached") / g("pread", "cached"),
-        # the hybrid that uses wholly cached records in place (--io mapped): records made usable per second
-        "warm_mapped_vs_warm_pread": g("mapped", "warm") / g("pread", "warm"),
-        "warm_mapped_vs_better_pure": g("mapped", "warm") / better("warm"),
-        "cold_mapped_vs_better_pure": g("mapped", "cold") / better("cold"),
-        "half_mapped_vs_pread": g("mapped", "half") / g("pread", "half"),
-        "half_mapped_vs_mmap": g("mapped", "half") / g("mmap", "half"),
-    }
+        return {
+            "cold_best_vs_raw_odirect": g(best_cold_mode, "cold") / raw_,
+            "cold_best_vs_dd": g(best_cold_mode, "cold") / dd_ if dd_ else None,
+            "cold_pread_vs_raw_odirect": g("pread", "cold") / raw_,
+            "cold_hybrid_vs_raw_odirect": g("hybrid", "cold") / raw_,
+            "warm_hybrid_vs_better_pure": g("hybrid", "warm") / better("warm"),
+            "cold_hybrid_vs_better_pure": g("hybrid", "cold") / better("cold"),
+            "half_hybrid_vs_pread": g("hybrid", "half") / g("pread", "half"),
+            "half_hybrid_vs_mmap": g("hybrid", "half") / g("mmap", "half"),
+            "warm_hybrid_vs_warm_pread": g("hybrid", "warm") / g("pread", "warm"),
+            "cached_hybrid_vs_cached_pread": g("hybrid", "cached") / g("pread", "cached"),
+            # the hybrid that uses wholly cached records in place (--io mapped): records made usable per second
+            "warm_mapped_vs_warm_pread": g("mapped", "warm") / g("pread", "warm"),
+            "warm_mapped_vs_better_pure": g("mapped", "warm") / better("warm"),
+            "cold_mapped_vs_better_pure": g("mapped", "cold") / better("cold"),
+            "half_mapped_vs_pread": g("mapped", "half") / g("pread", "half"),
+            "half_mapped_vs_mmap": g("mapped", "half") / g("mmap", "half"),
+        }
+
+    figures = figures_of(lambda m, st: med[(m, st)], raw_gbs, dd_gbs)
+    # the same ratios within each repetition (cells of one repetition read the same records, minutes apart
+    # at most): their spread says how far one figure can be trusted on this machine
+    per_rep = [figures_of(lambda m, st, i=i: cells[(m, st)][i], raw[min(i, len(raw) - 1)],
+                          dd[min(i, len(dd) - 1)] if dd else None) for i in range(a.reps)]
+    spread = {k: (min(f[k] for f in per_rep), statistics.median(f[k] for f in per_rep), max(f[k] for f in per_rep))
+              for k in figures if figures[k] is not None}
     copy = [copy_vs_pread(path, pm.layout(0).record_size, a.threads) for _ in range(max(1, a.reps))]
     copy_med = {k: statistics.median(c[k] for c in copy) for k in copy[0]}
     figures["warm_copy_vs_pread_aligned_dst"] = copy_med["copy"] / copy_med["pread_aligned"]
@@ -192,7 +200,8 @@ def run(pm: PackedModel, a) -> dict:
             "hybrid_details": {s: extra[("hybrid", s)] for s in ("cold", "warm", "half", "cached")},
             "probe_us_per_record": probe,
             "warm_copy_gb_s": copy_med,
-            "raw_odirect_gb_s": raw_gbs, "dd_gb_s": dd_gbs, "best_cold_mode": best_cold_mode, "figures": figures}
+            "raw_odirect_gb_s": raw_gbs, "dd_gb_s": dd_gbs, "best_cold_mode": best_cold_mode, "figures": figures,
+            "figures_per_rep_min_median_max": spread}
 
 
 def report(r: dict) -> str:
@@ -213,9 +222,11 @@ def report(r: dict) -> str:
                  f"16 B off alignment {c['pread_unaligned']:.2f}, memcpy out of a mapping {c['copy']:.2f} GB/s")
     lines.append("mapped: wholly cached records are used in place (records made usable per second; nothing moves)")
     f = r["figures"]
-    lines.append("figures (ratios, same run):")
+    sp = r["figures_per_rep_min_median_max"]
+    lines.append("figures (ratios of the medians; then min / median / max of the same ratio within each repetition):")
     for k, v in f.items():
-        lines.append(f"  {k:<32} {'-' if v is None else f'{v:.2f}'}")
+        rng = f"   [{sp[k][0]:.2f} / {sp[k][1]:.2f} / {sp[k][2]:.2f}]" if k in sp else ""
+        lines.append(f"  {k:<32} {'-' if v is None else f'{v:.2f}'}{rng}")
     lines.append(f"best cold mode: {r['best_cold_mode']}; synthetic write {r['write_s']:.1f} s, total {r['total_s']:.0f} s")
     return "\n".join(lines)
 
