@@ -128,7 +128,7 @@ def copy_vs_pread(path: Path, record: int, threads: int, n: int = 64) -> dict:
                 out[name] = n * record / dt / 1e9
         return out
     finally:
-        del src
+        src = None  # the view must go before the mapping can close
         m.close()
         os.close(fd)
 
