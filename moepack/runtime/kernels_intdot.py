@@ -66,7 +66,14 @@ _JIT = dict(cache=True, nogil=True, error_model="numpy")
 _FM = {"reassoc", "contract"}
 
 # numba compiles for the host CPU unless NUMBA_CPU_NAME says otherwise (then only the generic vector IR)
-X86_AVX2 = numba.config.CPU_NAME in (None, "host") and bool(llb.get_host_cpu_features().get("avx2", False))
+def _host_has_avx2() -> bool:
+    try:  # LLVM cannot list the features of every host (it raises RuntimeError there): then no AVX2 path
+        return bool(llb.get_host_cpu_features().get("avx2", False))
+    except RuntimeError:
+        return False
+
+
+X86_AVX2 = numba.config.CPU_NAME in (None, "host") and _host_has_avx2()
 
 _I8, _I16, _I32, _I64 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64)
 QMAX = {32: 32767, 16: 32767, 8: 127}
