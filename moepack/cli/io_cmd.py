@@ -71,7 +71,7 @@ def bench_io_cmd(packed, synthetic, threads, splits, experts, as_json, no_save):
 @click.option("--max-tokens", type=int, default=32, show_default=True, help="Tokens generated (greedy) after the prompt.")
 @click.option("--backend", type=click.Choice(("auto", "cpu", "numpy")), default="auto", show_default=True,
               help="Kernels: cpu (numba), numpy (reference), auto.")
-@click.option("--io", type=click.Choice(("pread", "direct", "mmap", "hybrid", "auto")), default="pread",
+@click.option("--io", type=click.Choice(("pread", "direct", "mmap", "hybrid", "mapped", "auto")), default="pread",
               show_default=True, help="How experts are read while tracing.")
 @click.option("--json", "as_json", is_flag=True, help="Print everything as one JSON object.")
 @click.option("--plot", "plot_file", default=None, metavar="FILE.png",
