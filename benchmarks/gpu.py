@@ -418,6 +418,7 @@ def main() -> int:
     ap.add_argument("--layers", type=int, default=2, help="layers of the synthetic 397B-shaped model")
     ap.add_argument("--experts", type=int, default=12, help="experts per layer of the synthetic model")
     ap.add_argument("--tokens", type=int, default=16, help="decode steps timed per path")
+    ap.add_argument("--bits", default="4,2", help="bit widths of the bandwidth cases (default: 4,2)")
     a = ap.parse_args()
     parts = set(a.only.split(","))
     ex = CudaExecutor()
@@ -441,7 +442,8 @@ def main() -> int:
     if "kernels" in parts:
         res["kernels"] = kernel_times(ex)
     if "bandwidth" in parts:  # not in the default set: --only bandwidth
-        res["bandwidth"] = {"reference_GBps": copy_bandwidth(ex.cp), "cases": quant_bandwidth(ex)}
+        bits = tuple(int(b) for b in a.bits.split(","))
+        res["bandwidth"] = {"reference_GBps": copy_bandwidth(ex.cp), "cases": quant_bandwidth(ex, bits)}
     if a.json:
         Path(a.json).write_text(json.dumps(res, indent=1, default=str))
     return 0 if ok else 1

@@ -33,24 +33,27 @@
 //
 // Launch geometry (mirrored by ops_quant.py; its tests compare the numbers below with it):
 //   qmv*, gate_up*:  threadgroup (32 * QMV_SG, 1, 1) = QMV_SG simdgroups; grid (ceil(out / RPG), T, E), E =
-//                    experts in the batch (1 for the dense forms). `ksplit` (a param: 1, 2, 4 or 8) simdgroups
-//                    share each block of QMV_ROWS rows, so a threadgroup holds NRB = QMV_SG / ksplit row
-//                    blocks, RPG = NRB * QMV_ROWS rows. Simdgroup s of threadgroup (gx, t, z) works on rows
-//                    (gx * NRB + s % NRB) * QMV_ROWS .. +QMV_ROWS-1 of token t, over input steps s / NRB,
-//                    + ksplit, ... The launch builder picks ksplit so that a small dispatch (one expert's 1024
-//                    rows) still spreads over enough threadgroups to keep the GPU's loads in flight, and a
-//                    large one (a batch of experts, lm_head) keeps ksplit = 1.
+//                    experts in the batch (1 for the dense forms). A row block is RB = QMV_ROWS / NP rows
+//                    (NP = 1 matrix for qmv, 2 for gate_up: a block is QMV_ROWS rows of codes either way).
+//                    `ksplit` (a param: 1, 2, 4 or 8) simdgroups share each block, so a threadgroup holds
+//                    NRB = QMV_SG / ksplit row blocks, RPG = NRB * RB rows. Simdgroup s of threadgroup
+//                    (gx, t, z) works on rows (gx * NRB + s % NRB) * RB .. +RB-1 of token t, over input steps
+//                    s / NRB, + ksplit, ... The launch builder picks ksplit so that a small dispatch (one
+//                    expert's 1024 rows) still spreads over enough threadgroups to keep the GPU's loads in
+//                    flight, and a large one (a batch of experts, lm_head) keeps ksplit = 1.
 //                    A step is 32 lane runs of R = QMV_VPT * 8 / bits consecutive inputs (bits: the wider of
 //                    the two matrices'): 16 bytes of codes per lane and row, so a simdgroup reads 512
 //                    contiguous bytes of each row per step (64, 32, 16 inputs per lane at 2, 4, 8 bits).
 //                    Per threadgroup, x[t] is staged in threadgroup memory QMV_XCHUNK floats at a time (16 KiB:
-//                    a 397B hidden vector in one go), as float4s xor-swizzled against bank conflicts; in a
-//                    step a lane loads its QMV_ROWS (x NP matrices) 16-byte runs first, then its R inputs
-//                    (16 bytes at a time) with their sum, and for each row adds  scale * dot(q, x) +
-//                    bias * sum(x)  (per 32 inputs at 2 bits, whose runs can span two groups of 32). Codes
-//                    become floats without shifts or conversions (qdot_word). simd_sum folds the 32 lanes;
-//                    the ksplit partial sums of a row meet in threadgroup memory, and thread
-//                    (b * QMV_ROWS + r) adds them in k order and writes row r of block b.
+//                    a 397B hidden vector in one go), as float4s xor-swizzled against bank conflicts, with the
+//                    sum of each half run (xsum). In a step a lane first issues all its loads (the 16-byte
+//                    runs of its RB rows x NP matrices, their scales and biases), then, word by word, reads
+//                    the word's inputs (16 bytes at a time) and adds them times the codes of every row; each
+//                    row then gets  scale * dot(q, x) + bias * sum(x)  (per 32 inputs at 2 bits, whose runs
+//                    can span two groups of 32). Codes become floats without shifts or conversions
+//                    (qdot_codes). simd_sum folds the 32 lanes; the ksplit partial sums of a row meet in
+//                    threadgroup memory, and thread (b * RB + r) adds them in k order and writes row r of
+//                    block b.
 //                    16-byte reads need every row 16-byte aligned: the buffer start (the launch builders
 //                    align host arrays; device buffers are), a record's component offset and stride (records:
 //                    multiples of 64 and of 16 KiB), and the row size in * bits / 8 (2-bit rows: in a
@@ -107,10 +110,12 @@ METAL_FUNC uint xs_index(uint j) {
     return j ^ ((j >> SH) & 7u);
 }
 
-// Stage x[c0 .. c0+clen) of one token into threadgroup memory. Every thread of the group calls it; the loop
-// has a compile-time trip count so its loads are all in flight at once.
-template <int SH>
-METAL_FUNC void stage_x(device const float* xt, uint c0, uint clen, threadgroup float4* xs, uint tid) {
+// Stage x[c0 .. c0+clen) of one token into threadgroup memory, and the sum of each aligned block of RH inputs
+// into xsum[clen / RH] (summed float4 by float4, in the order load_lane_x used to). Every thread of the group
+// calls it; the loop has a compile-time trip count so its loads are all in flight at once.
+template <int SH, int RH>
+METAL_FUNC void stage_x(device const float* xt, uint c0, uint clen, threadgroup float4* xs, threadgroup float* xsum,
+                        uint tid) {
     threadgroup float* xf = (threadgroup float*)xs;
     threadgroup_barrier(mem_flags::mem_threadgroup);  // the previous chunk's readers are done
 #pragma clang loop unroll(full)
@@ -121,12 +126,21 @@ METAL_FUNC void stage_x(device const float* xt, uint c0, uint clen, threadgroup 
         }
     }
     threadgroup_barrier(mem_flags::mem_threadgroup);
+    for (uint b = tid; b < clen / RH; b += 32 * QMV_SG) {  // clen is a multiple of 32 >= RH
+        float s = 0.0f;
+#pragma clang loop unroll(full)
+        for (uint k = 0; k < RH / 4; ++k) {
+            const float4 v = xs[xs_index<SH>(b * (RH / 4) + k)];
+            s += v.x + v.y + v.z + v.w;
+        }
+        xsum[b] = s;
+    }
+    threadgroup_barrier(mem_flags::mem_threadgroup);
 }
 
-// RH staged inputs from i0 (a multiple of RH) into registers, 16 bytes at a time; returns their sum.
+// RH staged inputs from i0 (a multiple of RH) into registers, 16 bytes at a time.
 template <int SH, int RH>
-METAL_FUNC float load_lane_x(threadgroup const float4* xs, uint i0, thread float* xv) {
-    float s = 0.0f;
+METAL_FUNC void load_lane_x(threadgroup const float4* xs, uint i0, thread float* xv) {
 #pragma clang loop unroll(full)
     for (uint k = 0; k < RH / 4; ++k) {
         const float4 v = xs[xs_index<SH>((i0 >> 2) + k)];
@@ -134,9 +148,7 @@ METAL_FUNC float load_lane_x(threadgroup const float4* xs, uint i0, thread float
         xv[4 * k + 1] = v.y;
         xv[4 * k + 2] = v.z;
         xv[4 * k + 3] = v.w;
-        s += v.x + v.y + v.z + v.w;
     }
-    return s;
 }
 
 // NW (4, 2 or 1) consecutive words of a row from p: one 16- or 8-byte load when VEC (the address is
@@ -166,130 +178,188 @@ METAL_FUNC void load_words(device const uint* p, bool full, thread uint* v) {
     }
 }
 
-// acc + dot(codes of word w, xv[0 .. 32/BITS)), codes unscaled. Code k (bits kb = k * BITS ..) becomes a float
-// without a shift: or-ed in place under the exponent 150 - kb, the float is 2^(23-kb) + q exactly, and
-// subtracting that constant leaves q (an and-or and a subtract per code, no integer-to-float conversion).
-// Codes that reach past bit 22 take the same path from w >> 16.
-template <int BITS>
-METAL_FUNC float qdot_word(uint w, thread const float* xv, float acc) {
+// acc + dot(codes first .. first+N-1 of word w, xv[0 .. N)), codes unscaled. Code k (bits kb = k * BITS ..)
+// becomes a float without a shift: or-ed in place under the exponent 150 - kb, the float is 2^(23-kb) + q
+// exactly, and subtracting that constant leaves q (an and-or and a subtract per code, no integer-to-float
+// conversion). Codes that reach past bit 22 take the same path from w >> 16. `z` is 0 at run time, a value the
+// compiler cannot see through: or-ed into the exponent words it keeps them in registers, so that the and-or
+// of each code is one instruction on GPUs whose 3-input logic ops take a single immediate (NVIDIA's LOP3).
+template <int BITS, int N>
+METAL_FUNC float qdot_codes(uint w, uint first, thread const float* xv, float acc, uint z) {
     const uint mask = (1u << BITS) - 1u;
     const uint nlo = (23 - BITS) / BITS + 1;  // codes 0 .. nlo-1 end at or below bit 22
     const uint hi = w >> 16;
 #pragma clang loop unroll(full)
-    for (uint k = 0; k < 32 / BITS; ++k) {
+    for (uint c = 0; c < N; ++c) {
+        const uint k = first + c;
         const uint src = k < nlo ? w : hi;
         const uint kb = (k < nlo ? k : k - 16 / BITS) * BITS;
-        const uint e = (150u - kb) << 23;
+        const uint e = ((150u - kb) << 23) | z;
         const float q = as_type<float>((src & (mask << kb)) | e) - as_type<float>(e);
-        acc = fma(q, xv[k], acc);
+        acc = fma(q, xv[c], acc);
     }
     return acc;
 }
 
-// One row's share of a half run: scale * dot(q, x) + bias * sum(x) over the NW words at v (RH inputs in xv
-// summing to xsum, all in group `group`, a flat index into scales/biases).
-template <int BITS, int NW>
-METAL_FUNC float qrow_part(qmat m, thread const uint* v, uint group, thread const float* xv, float xsum) {
-    float d = 0.0f;
+// What a lane holds of one step for its rows (geometry in the header): NW words of each of ROWS rows of NP
+// matrices, and the scale and bias of each half run.
+template <int NP, int ROWS, int NH>
+struct qstep {
+    uint v[NP][ROWS][4];
+    bfloat s[NP][ROWS][NH];
+    bfloat b[NP][ROWS][NH];
+};
+
+// The rows of a simdgroup: clamped row starts (words) of each matrix, and the first group of each row.
+template <int ROWS>
+struct qrows {
+    uint w[2][ROWS];
+    uint g[ROWS];
+};
+
+// Issue the loads of the step at input i (row offset): words, then scales and biases of each half run.
+template <int B0, int B1, int NP, int ROWS, bool VEC>
+METAL_FUNC void qstep_load(qmat m0, qmat m1, thread const qrows<ROWS>& rw, uint i, bool full, uint gshift,
+                           thread qstep<NP, ROWS, qrun<B0, B1>::NH>& st) {
+    typedef qrun<B0, B1> RUN;
 #pragma clang loop unroll(full)
-    for (uint j = 0; j < NW; ++j) {
-        d = qdot_word<BITS>(v[j], xv + j * (32 / BITS), d);
+    for (uint r = 0; r < ROWS; ++r) {
+        load_words<RUN::R * B0 / 32, VEC>(m0.w + rw.w[0][r] + i * B0 / 32, full, st.v[0][r]);
+        if (NP == 2) {
+            load_words<RUN::R * B1 / 32, VEC>(m1.w + rw.w[1][r] + i * B1 / 32, full, st.v[NP - 1][r]);
+        }
     }
-    return fma(float(m.scales[group]), d, float(m.biases[group]) * xsum);
+#pragma clang loop unroll(full)
+    for (uint h = 0; h < RUN::NH; ++h) {
+        if (h == 0 || full) {
+            const uint g = (i + h * RUN::RH) >> gshift;  // the half's group within the row
+#pragma clang loop unroll(full)
+            for (uint r = 0; r < ROWS; ++r) {
+                st.s[0][r][h] = m0.scales[rw.g[r] + g];
+                st.b[0][r][h] = m0.biases[rw.g[r] + g];
+                if (NP == 2) {
+                    st.s[NP - 1][r][h] = m1.scales[rw.g[r] + g];
+                    st.b[NP - 1][r][h] = m1.biases[rw.g[r] + g];
+                }
+            }
+        }
+    }
+}
+
+// Sum one loaded step (staged inputs from i0 within the chunk) into the row accumulators: per half run and
+// row, scale * dot(q, x) + bias * sum(x). Word by word over the rows, so only one word's inputs (32 / bits
+// floats) are held in registers at a time; each row's dot is still summed in input order.
+template <int B0, int B1, int NP, int ROWS>
+METAL_FUNC void qstep_sum(thread const qstep<NP, ROWS, qrun<B0, B1>::NH>& st, threadgroup const float4* xs,
+                          threadgroup const float* xsum, uint i0, bool full, uint z, thread float (&acc)[2][ROWS]) {
+    typedef qrun<B0, B1> RUN;
+    const uint NW0 = RUN::R * B0 / 32 / RUN::NH;  // words of a half run, matrix 0
+    const uint NW1 = RUN::R * B1 / 32 / RUN::NH;
+    const uint NWX = NW0 > NW1 ? NW0 : NW1;       // words of the matrix with the wider codes
+    const uint WX = RUN::RH / NWX;                // inputs per word of that matrix (16, 8 or 4)
+#pragma clang loop unroll(full)
+    for (uint h = 0; h < RUN::NH; ++h) {
+        if (h == 0 || full) {
+            float d[2][ROWS];
+#pragma clang loop unroll(full)
+            for (uint r = 0; r < ROWS; ++r) {
+                d[0][r] = 0.0f;
+                d[1][r] = 0.0f;
+            }
+#pragma clang loop unroll(full)
+            for (uint j = 0; j < NWX; ++j) {
+                float xv[WX];
+                load_lane_x<RUN::SH, WX>(xs, i0 + h * RUN::RH + j * WX, xv);
+#pragma clang loop unroll(full)
+                for (uint r = 0; r < ROWS; ++r) {
+                    // a word of the narrower codes spans NWX / NW of these pieces: piece j % (NWX / NW) of it
+                    d[0][r] = qdot_codes<B0, WX>(st.v[0][r][h * NW0 + j / (NWX / NW0)], j % (NWX / NW0) * WX, xv,
+                                                 d[0][r], z);
+                    if (NP == 2) {
+                        d[1][r] = qdot_codes<B1, WX>(st.v[NP - 1][r][h * NW1 + j / (NWX / NW1)],
+                                                     j % (NWX / NW1) * WX, xv, d[1][r], z);
+                    }
+                }
+            }
+            const float xs_h = xsum[(i0 + h * RUN::RH) / RUN::RH];
+#pragma clang loop unroll(full)
+            for (uint r = 0; r < ROWS; ++r) {
+                acc[0][r] += fma(float(st.s[0][r][h]), d[0][r], float(st.b[0][r][h]) * xs_h);
+                if (NP == 2) {
+                    acc[1][r] += fma(float(st.s[NP - 1][r][h]), d[1][r], float(st.b[NP - 1][r][h]) * xs_h);
+                }
+            }
+        }
+    }
 }
 
 // The matvec of one threadgroup (geometry in the header). NP = 1: y[t, o] = (W0 x[t])[o];
 // NP = 2: y[t, o] = silu((W0 x[t])[o]) * (W1 x[t])[o] (W1 unused when NP = 1). VEC: every row of both
 // matrices starts 16-byte aligned (qmv_core checks), so runs are read 16 bytes at a time and a 2-bit row
 // (a multiple of 64 inputs then) never ends inside a run.
-// part: threadgroup float [QMV_SG * QMV_ROWS * 2], the per-simdgroup sums folded in a fixed order.
-// The row loops are unrolled and branch-free (rows past `out` are clamped to the last row and their results
-// dropped), so a lane issues the loads of all its rows (QMV_ROWS x NP of 16 bytes) before it waits on any.
+// xsum: threadgroup float [QMV_XCHUNK / 16], sums of the staged inputs (stage_x); part: threadgroup float
+// [QMV_SG * QMV_ROWS * 2], the per-simdgroup sums folded in a fixed order. A simdgroup holds ROWS = QMV_ROWS / NP
+// rows of each matrix (so qmv and gate_up both read QMV_ROWS rows a step). The row loops are unrolled and
+// branch-free (rows past `out` are clamped to the last row and their results dropped). Each step first issues
+// every load it needs (all rows' words, scales and biases), then sums; latency is hidden by the other
+// simdgroups on the core rather than by holding a second step in registers (measured on an H200: prefetching
+// the next step doubled the registers, halved the simdgroups per core and lost 10-25%).
 template <int B0, int B1, int NP, bool VEC>
 METAL_FUNC void qmv_tile(device const float* x, qmat m0, qmat m1, device float* y, uint in_dim, uint out_dim,
-                         uint gs, uint ksplit, threadgroup float4* xs, threadgroup float* part, uint t, uint tgx,
-                         uint sg, uint tid, uint lane) {
+                         uint gs, uint ksplit, threadgroup float4* xs, threadgroup float* xsum,
+                         threadgroup float* part, uint t, uint tgx, uint sg, uint tid, uint lane) {
     typedef qrun<B0, B1> RUN;
     const uint R = RUN::R;
-    const uint NW0 = R * B0 / 32;      // words of matrix 0 per run
-    const uint NW1 = R * B1 / 32;      // matrix 1
+    const uint ROWS = QMV_ROWS / NP;   // rows per simdgroup (of each matrix)
     const uint nrb = QMV_SG / ksplit;  // row blocks per threadgroup
     const uint rb = sg % nrb;          // row block of this simdgroup
     const uint kp = sg / nrb;          // its share of the input steps
-    const uint row0 = (tgx * nrb + rb) * QMV_ROWS;
+    const uint row0 = (tgx * nrb + rb) * ROWS;
     const uint gshift = gs == 32 ? 5u : (gs == 64 ? 6u : 7u);  // gs is 32, 64 or 128
     const uint ng = in_dim >> gshift;                            // groups per row
-    const uint rw0 = in_dim * B0 / 32;                           // words per row, matrix 0
-    const uint rw1 = in_dim * B1 / 32;
+    const uint z = in_dim >> 31;                                 // 0 (in_dim < 2^31), opaque: see qdot_codes
     device const float* xt = x + t * in_dim;
-    uint wrow0[QMV_ROWS];  // first word of each row, matrix 0
-    uint wrow1[QMV_ROWS];  // matrix 1
-    uint grow[QMV_ROWS];   // first group of each row
-    float a0[QMV_ROWS];
-    float a1[QMV_ROWS];
+    qrows<ROWS> rw;
+    float acc[2][ROWS];
 #pragma clang loop unroll(full)
-    for (uint r = 0; r < QMV_ROWS; ++r) {
+    for (uint r = 0; r < ROWS; ++r) {
         const uint row = min(row0 + r, out_dim - 1);
-        wrow0[r] = row * rw0;
-        wrow1[r] = row * rw1;
-        grow[r] = row * ng;
-        a0[r] = 0.0f;
-        a1[r] = 0.0f;
+        rw.w[0][r] = row * (in_dim * B0 / 32);
+        rw.w[1][r] = row * (in_dim * B1 / 32);
+        rw.g[r] = row * ng;
+        acc[0][r] = 0.0f;
+        acc[1][r] = 0.0f;
     }
+    qstep<NP, ROWS, RUN::NH> st;
     for (uint c0 = 0; c0 < in_dim; c0 += QMV_XCHUNK) {
         const uint clen = min((uint)QMV_XCHUNK, in_dim - c0);
-        stage_x<RUN::SH>(xt, c0, clen, xs, tid);
+        stage_x<RUN::SH, RUN::RH>(xt, c0, clen, xs, xsum, tid);
+        // `full` is false only for a 2-bit run cut to its first half (never with VEC)
         for (uint i0 = (kp * 32 + lane) * R; i0 < clen; i0 += ksplit * 32 * R) {
-            const uint i = c0 + i0;            // input index within the row
-            const bool full = VEC || i0 + R <= clen;  // false only for a 2-bit run cut to its first half
-            uint v0[QMV_ROWS][4];
-            uint v1[QMV_ROWS][4];
-#pragma clang loop unroll(full)
-            for (uint r = 0; r < QMV_ROWS; ++r) {
-                load_words<NW0, VEC>(m0.w + wrow0[r] + i * B0 / 32, full, v0[r]);
-                if (NP == 2) {
-                    load_words<NW1, VEC>(m1.w + wrow1[r] + i * B1 / 32, full, v1[r]);
-                }
-            }
-#pragma clang loop unroll(full)
-            for (uint h = 0; h < RUN::NH; ++h) {
-                if (h == 0 || full) {
-                    float xv[RUN::RH];
-                    const float xsum = load_lane_x<RUN::SH, RUN::RH>(xs, i0 + h * RUN::RH, xv);
-                    const uint g = (i + h * RUN::RH) >> gshift;  // the half's group within the row
-#pragma clang loop unroll(full)
-                    for (uint r = 0; r < QMV_ROWS; ++r) {
-                        a0[r] += qrow_part<B0, NW0 / RUN::NH>(m0, v0[r] + h * (NW0 / RUN::NH), grow[r] + g, xv,
-                                                               xsum);
-                        if (NP == 2) {
-                            a1[r] += qrow_part<B1, NW1 / RUN::NH>(m1, v1[r] + h * (NW1 / RUN::NH), grow[r] + g,
-                                                                   xv, xsum);
-                        }
-                    }
-                }
-            }
+            qstep_load<B0, B1, NP, ROWS, VEC>(m0, m1, rw, c0 + i0, VEC || i0 + R <= clen, gshift, st);
+            qstep_sum<B0, B1, NP, ROWS>(st, xs, xsum, i0, VEC || i0 + R <= clen, z, acc);
         }
     }
     // fold the 32 lanes, then the ksplit simdgroups of each row block (in k order)
 #pragma clang loop unroll(full)
-    for (uint r = 0; r < QMV_ROWS; ++r) {
-        const float s0 = simd_sum(a0[r]);
-        const float s1 = NP == 2 ? simd_sum(a1[r]) : 0.0f;
+    for (uint r = 0; r < ROWS; ++r) {
+        const float s0 = simd_sum(acc[0][r]);
+        const float s1 = NP == 2 ? simd_sum(acc[1][r]) : 0.0f;
         if (lane == 0) {
-            part[(sg * QMV_ROWS + r) * 2] = s0;
-            part[(sg * QMV_ROWS + r) * 2 + 1] = s1;
+            part[(sg * ROWS + r) * 2] = s0;
+            part[(sg * ROWS + r) * 2 + 1] = s1;
         }
     }
     threadgroup_barrier(mem_flags::mem_threadgroup);
-    if (tid < nrb * QMV_ROWS) {
-        const uint b = tid / QMV_ROWS;
-        const uint r = tid % QMV_ROWS;
-        const uint row = (tgx * nrb + b) * QMV_ROWS + r;
+    if (tid < nrb * ROWS) {
+        const uint b = tid / ROWS;
+        const uint r = tid % ROWS;
+        const uint row = (tgx * nrb + b) * ROWS + r;
         float v0 = 0.0f;
         float v1 = 0.0f;
         for (uint k = 0; k < ksplit; ++k) {
-            v0 += part[((k * nrb + b) * QMV_ROWS + r) * 2];
-            v1 += part[((k * nrb + b) * QMV_ROWS + r) * 2 + 1];
+            v0 += part[((k * nrb + b) * ROWS + r) * 2];
+            v1 += part[((k * nrb + b) * ROWS + r) * 2 + 1];
         }
         if (row < out_dim) {
             // silu(g) = g / (1 + exp(-g)): exp overflow gives -0, as numpy
@@ -303,14 +373,14 @@ METAL_FUNC void qmv_tile(device const float* x, qmat m0, qmat m1, device float* 
 // of 32 inputs). The condition is uniform over the threadgroup.
 template <int B0, int B1, int NP>
 METAL_FUNC void qmv_core(device const float* x, qmat m0, qmat m1, device float* y, uint in_dim, uint out_dim,
-                         uint gs, uint ksplit, threadgroup float4* xs, threadgroup float* part, uint t, uint tgx,
-                         uint sg, uint tid, uint lane) {
+                         uint gs, uint ksplit, threadgroup float4* xs, threadgroup float* xsum, threadgroup float* part,
+                         uint t, uint tgx, uint sg, uint tid, uint lane) {
     const bool vec0 = ((m0.wbyte | (in_dim * B0 / 8)) & 15u) == 0u;
     const bool vec1 = NP == 1 || ((m1.wbyte | (in_dim * B1 / 8)) & 15u) == 0u;
     if (vec0 && vec1) {  // (mixed-width gate/up pairs, rare, keep word reads: half the code)
-        qmv_tile<B0, B1, NP, B0 == B1>(x, m0, m1, y, in_dim, out_dim, gs, ksplit, xs, part, t, tgx, sg, tid, lane);
+        qmv_tile<B0, B1, NP, B0 == B1>(x, m0, m1, y, in_dim, out_dim, gs, ksplit, xs, xsum, part, t, tgx, sg, tid, lane);
     } else {
-        qmv_tile<B0, B1, NP, false>(x, m0, m1, y, in_dim, out_dim, gs, ksplit, xs, part, t, tgx, sg, tid, lane);
+        qmv_tile<B0, B1, NP, false>(x, m0, m1, y, in_dim, out_dim, gs, ksplit, xs, xsum, part, t, tgx, sg, tid, lane);
     }
 }
 
@@ -318,17 +388,17 @@ METAL_FUNC void qmv_core(device const float* x, qmat m0, qmat m1, device float* 
 // launch builder refuses it). The condition is uniform over the grid, so every thread meets the same barriers.
 METAL_FUNC void gate_up_any(uint gate_bits, uint up_bits, device const float* x, qmat gate, qmat up, device float* h,
                         uint in_dim, uint out_dim, uint gs, uint ksplit, threadgroup float4* xs,
-                        threadgroup float* part, uint t, uint tgx, uint sg, uint tid, uint lane) {
+                        threadgroup float* xsum, threadgroup float* part, uint t, uint tgx, uint sg, uint tid, uint lane) {
     const uint pair = gate_bits * 16 + up_bits;
-    if (pair == 0x22) qmv_core<2, 2, 2>(x, gate, up, h, in_dim, out_dim, gs, ksplit, xs, part, t, tgx, sg, tid, lane);
-    if (pair == 0x24) qmv_core<2, 4, 2>(x, gate, up, h, in_dim, out_dim, gs, ksplit, xs, part, t, tgx, sg, tid, lane);
-    if (pair == 0x28) qmv_core<2, 8, 2>(x, gate, up, h, in_dim, out_dim, gs, ksplit, xs, part, t, tgx, sg, tid, lane);
-    if (pair == 0x42) qmv_core<4, 2, 2>(x, gate, up, h, in_dim, out_dim, gs, ksplit, xs, part, t, tgx, sg, tid, lane);
-    if (pair == 0x44) qmv_core<4, 4, 2>(x, gate, up, h, in_dim, out_dim, gs, ksplit, xs, part, t, tgx, sg, tid, lane);
-    if (pair == 0x48) qmv_core<4, 8, 2>(x, gate, up, h, in_dim, out_dim, gs, ksplit, xs, part, t, tgx, sg, tid, lane);
-    if (pair == 0x82) qmv_core<8, 2, 2>(x, gate, up, h, in_dim, out_dim, gs, ksplit, xs, part, t, tgx, sg, tid, lane);
-    if (pair == 0x84) qmv_core<8, 4, 2>(x, gate, up, h, in_dim, out_dim, gs, ksplit, xs, part, t, tgx, sg, tid, lane);
-    if (pair == 0x88) qmv_core<8, 8, 2>(x, gate, up, h, in_dim, out_dim, gs, ksplit, xs, part, t, tgx, sg, tid, lane);
+    if (pair == 0x22) qmv_core<2, 2, 2>(x, gate, up, h, in_dim, out_dim, gs, ksplit, xs, xsum, part, t, tgx, sg, tid, lane);
+    if (pair == 0x24) qmv_core<2, 4, 2>(x, gate, up, h, in_dim, out_dim, gs, ksplit, xs, xsum, part, t, tgx, sg, tid, lane);
+    if (pair == 0x28) qmv_core<2, 8, 2>(x, gate, up, h, in_dim, out_dim, gs, ksplit, xs, xsum, part, t, tgx, sg, tid, lane);
+    if (pair == 0x42) qmv_core<4, 2, 2>(x, gate, up, h, in_dim, out_dim, gs, ksplit, xs, xsum, part, t, tgx, sg, tid, lane);
+    if (pair == 0x44) qmv_core<4, 4, 2>(x, gate, up, h, in_dim, out_dim, gs, ksplit, xs, xsum, part, t, tgx, sg, tid, lane);
+    if (pair == 0x48) qmv_core<4, 8, 2>(x, gate, up, h, in_dim, out_dim, gs, ksplit, xs, xsum, part, t, tgx, sg, tid, lane);
+    if (pair == 0x82) qmv_core<8, 2, 2>(x, gate, up, h, in_dim, out_dim, gs, ksplit, xs, xsum, part, t, tgx, sg, tid, lane);
+    if (pair == 0x84) qmv_core<8, 4, 2>(x, gate, up, h, in_dim, out_dim, gs, ksplit, xs, xsum, part, t, tgx, sg, tid, lane);
+    if (pair == 0x88) qmv_core<8, 8, 2>(x, gate, up, h, in_dim, out_dim, gs, ksplit, xs, xsum, part, t, tgx, sg, tid, lane);
 }
 
 // ------------------------------------------------------------------------------------------- qmv
@@ -344,9 +414,10 @@ kernel void qmv_b2(device const float* x [[buffer(0)]], device const uint* w [[b
                    uint tid [[thread_index_in_threadgroup]],
                    uint sg [[simdgroup_index_in_threadgroup]], uint lane [[thread_index_in_simdgroup]]) {
     threadgroup float4 xs[QMV_XCHUNK / 4];
+    threadgroup float xsum[QMV_XCHUNK / 16];
     threadgroup float part[QMV_SG * QMV_ROWS * 2];
     const qmat m = {w, scales, biases, 0u};
-    qmv_core<2, 2, 1>(x, m, m, y + y_off, in_dim, out_dim, group_size, ksplit, xs, part, tg.y, tg.x, sg, tid,
+    qmv_core<2, 2, 1>(x, m, m, y + y_off, in_dim, out_dim, group_size, ksplit, xs, xsum, part, tg.y, tg.x, sg, tid,
                        lane);
 }
 
@@ -359,9 +430,10 @@ kernel void qmv_b4(device const float* x [[buffer(0)]], device const uint* w [[b
                    uint tid [[thread_index_in_threadgroup]],
                    uint sg [[simdgroup_index_in_threadgroup]], uint lane [[thread_index_in_simdgroup]]) {
     threadgroup float4 xs[QMV_XCHUNK / 4];
+    threadgroup float xsum[QMV_XCHUNK / 16];
     threadgroup float part[QMV_SG * QMV_ROWS * 2];
     const qmat m = {w, scales, biases, 0u};
-    qmv_core<4, 4, 1>(x, m, m, y + y_off, in_dim, out_dim, group_size, ksplit, xs, part, tg.y, tg.x, sg, tid,
+    qmv_core<4, 4, 1>(x, m, m, y + y_off, in_dim, out_dim, group_size, ksplit, xs, xsum, part, tg.y, tg.x, sg, tid,
                        lane);
 }
 
@@ -374,9 +446,10 @@ kernel void qmv_b8(device const float* x [[buffer(0)]], device const uint* w [[b
                    uint tid [[thread_index_in_threadgroup]],
                    uint sg [[simdgroup_index_in_threadgroup]], uint lane [[thread_index_in_simdgroup]]) {
     threadgroup float4 xs[QMV_XCHUNK / 4];
+    threadgroup float xsum[QMV_XCHUNK / 16];
     threadgroup float part[QMV_SG * QMV_ROWS * 2];
     const qmat m = {w, scales, biases, 0u};
-    qmv_core<8, 8, 1>(x, m, m, y + y_off, in_dim, out_dim, group_size, ksplit, xs, part, tg.y, tg.x, sg, tid,
+    qmv_core<8, 8, 1>(x, m, m, y + y_off, in_dim, out_dim, group_size, ksplit, xs, xsum, part, tg.y, tg.x, sg, tid,
                        lane);
 }
 
@@ -395,12 +468,13 @@ kernel void qmv_rec_b2(device const float* x [[buffer(0)]], device const uchar* 
                        uint tid [[thread_index_in_threadgroup]], uint sg [[simdgroup_index_in_threadgroup]],
                        uint lane [[thread_index_in_simdgroup]]) {
     threadgroup float4 xs[QMV_XCHUNK / 4];
+    threadgroup float xsum[QMV_XCHUNK / 16];
     threadgroup float part[QMV_SG * QMV_ROWS * 2];
     device const uchar* r = rec + tg.z * rec_stride;  // expert tg.z of the batch
     const qmat m = {(device const uint*)(r + w_off), (device const bfloat*)(r + s_off),
                     (device const bfloat*)(r + b_off), tg.z * rec_stride + w_off};
     qmv_core<2, 2, 1>(x + tg.z * x_stride, m, m, y + y_off + tg.z * y_stride, in_dim, out_dim, group_size,
-                       ksplit, xs, part, tg.y, tg.x, sg, tid, lane);
+                       ksplit, xs, xsum, part, tg.y, tg.x, sg, tid, lane);
 }
 
 kernel void qmv_rec_b4(device const float* x [[buffer(0)]], device const uchar* rec [[buffer(1)]],
@@ -414,12 +488,13 @@ kernel void qmv_rec_b4(device const float* x [[buffer(0)]], device const uchar* 
                        uint tid [[thread_index_in_threadgroup]], uint sg [[simdgroup_index_in_threadgroup]],
                        uint lane [[thread_index_in_simdgroup]]) {
     threadgroup float4 xs[QMV_XCHUNK / 4];
+    threadgroup float xsum[QMV_XCHUNK / 16];
     threadgroup float part[QMV_SG * QMV_ROWS * 2];
     device const uchar* r = rec + tg.z * rec_stride;  // expert tg.z of the batch
     const qmat m = {(device const uint*)(r + w_off), (device const bfloat*)(r + s_off),
                     (device const bfloat*)(r + b_off), tg.z * rec_stride + w_off};
     qmv_core<4, 4, 1>(x + tg.z * x_stride, m, m, y + y_off + tg.z * y_stride, in_dim, out_dim, group_size,
-                       ksplit, xs, part, tg.y, tg.x, sg, tid, lane);
+                       ksplit, xs, xsum, part, tg.y, tg.x, sg, tid, lane);
 }
 
 kernel void qmv_rec_b8(device const float* x [[buffer(0)]], device const uchar* rec [[buffer(1)]],
@@ -433,12 +508,13 @@ kernel void qmv_rec_b8(device const float* x [[buffer(0)]], device const uchar* 
                        uint tid [[thread_index_in_threadgroup]], uint sg [[simdgroup_index_in_threadgroup]],
                        uint lane [[thread_index_in_simdgroup]]) {
     threadgroup float4 xs[QMV_XCHUNK / 4];
+    threadgroup float xsum[QMV_XCHUNK / 16];
     threadgroup float part[QMV_SG * QMV_ROWS * 2];
     device const uchar* r = rec + tg.z * rec_stride;  // expert tg.z of the batch
     const qmat m = {(device const uint*)(r + w_off), (device const bfloat*)(r + s_off),
                     (device const bfloat*)(r + b_off), tg.z * rec_stride + w_off};
     qmv_core<8, 8, 1>(x + tg.z * x_stride, m, m, y + y_off + tg.z * y_stride, in_dim, out_dim, group_size,
-                       ksplit, xs, part, tg.y, tg.x, sg, tid, lane);
+                       ksplit, xs, xsum, part, tg.y, tg.x, sg, tid, lane);
 }
 
 // ------------------------------------------------------------------------------------------- gate/up + SwiGLU
@@ -456,10 +532,11 @@ kernel void gate_up_swiglu(device const float* x [[buffer(0)]], device const uin
                            uint tid [[thread_index_in_threadgroup]],
                            uint sg [[simdgroup_index_in_threadgroup]], uint lane [[thread_index_in_simdgroup]]) {
     threadgroup float4 xs[QMV_XCHUNK / 4];
+    threadgroup float xsum[QMV_XCHUNK / 16];
     threadgroup float part[QMV_SG * QMV_ROWS * 2];
     const qmat gate = {gw, gsc, gbi, 0u};
     const qmat up = {uw, usc, ubi, 0u};
-    gate_up_any(gate_bits, up_bits, x, gate, up, h, in_dim, out_dim, group_size, ksplit, xs, part, tg.y, tg.x, sg,
+    gate_up_any(gate_bits, up_bits, x, gate, up, h, in_dim, out_dim, group_size, ksplit, xs, xsum, part, tg.y, tg.x, sg,
                 tid, lane);
 }
 
@@ -481,6 +558,7 @@ kernel void gate_up_swiglu_rec(device const float* x [[buffer(0)]], device const
                                uint sg [[simdgroup_index_in_threadgroup]],
                                uint lane [[thread_index_in_simdgroup]]) {
     threadgroup float4 xs[QMV_XCHUNK / 4];
+    threadgroup float xsum[QMV_XCHUNK / 16];
     threadgroup float part[QMV_SG * QMV_ROWS * 2];
     device const uchar* r = rec + tg.z * rec_stride;  // expert tg.z of the batch
     const qmat gate = {(device const uint*)(r + gw_off), (device const bfloat*)(r + gs_off),
@@ -488,7 +566,7 @@ kernel void gate_up_swiglu_rec(device const float* x [[buffer(0)]], device const
     const qmat up = {(device const uint*)(r + uw_off), (device const bfloat*)(r + us_off),
                      (device const bfloat*)(r + ub_off), tg.z * rec_stride + uw_off};
     gate_up_any(gate_bits, up_bits, x + tg.z * x_stride, gate, up, h + tg.z * h_stride, in_dim, out_dim,
-                group_size, ksplit, xs, part, tg.y, tg.x, sg, tid, lane);
+                group_size, ksplit, xs, xsum, part, tg.y, tg.x, sg, tid, lane);
 }
 
 // ------------------------------------------------------------------------------------------- embedding

@@ -189,6 +189,27 @@ def test_compiles_to_ptx_with_an_entry_per_kernel():
         assert len(k.launch_args(d.args)) == len(d.args)  # every builder argument has its launch slot
 
 
+def test_ptx_occupancy_hints_match_the_launch_geometry():
+    """CUDA launch bounds: a launch with more threads than its entry's bound fails, so each hinted kernel's
+    threads must be the threadgroup its launch builder uses; the kernel bodies are inlined into their entries
+    (no call: the pointers are then known to be global, scalars are values)."""
+    import re
+
+    from moepack.runtime.metal.ptx import OCCUPANCY, compile_ptx
+
+    mod = compile_ptx(OQ.SOURCE)
+    builders = {d.kernel: d for d in all_dispatches()}
+    assert {"qmv_rec_b4", "gate_up_swiglu_rec"} <= set(OCCUPANCY) <= set(builders)
+    for name, (threads, groups) in OCCUPANCY.items():
+        assert builders[name].threadgroup == (threads, 1, 1)
+        head = re.search(rf"\.entry {name}\((.*?)\)\s*(.*?)\{{", mod.ptx, re.S).group(2)
+        assert f".maxntid {threads}, 1, 1" in head and f".minnctapersm {groups}" in head
+    for name in builders:
+        body = mod.ptx[mod.ptx.index(f".entry {name}("):]
+        body = body[:body.index("\n}\n")]
+        assert "call.uni" not in body and "ld.global" in body, name
+
+
 _DTYPES = {"float": np.float32, "bfloat": np.uint16, "uint": np.uint32, "int": np.int32, "uchar": np.uint8}
 
 

@@ -167,37 +167,45 @@ def _proj(layout: RecordLayout, proj: str):
 # ------------------------------------------------------------------------------------------- geometry
 
 
-def rows_per_group(ksplit: int) -> int:
-    """Output rows per threadgroup of qmv / gate_up when `ksplit` simdgroups share each block of rows."""
-    return QMV_SG // ksplit * QMV_ROWS
+def rows_per_simdgroup(matrices: int = 1) -> int:
+    """Output rows of one simdgroup's block: QMV_ROWS for qmv, half that for gate_up (rows of both matrices)."""
+    return QMV_ROWS // matrices
 
 
-def choose_ksplit(out_dim: int, in_dim: int, tokens: int = 1, experts: int = 1) -> int:
+def rows_per_group(ksplit: int, matrices: int = 1) -> int:
+    """Output rows per threadgroup of qmv (matrices=1) / gate_up (2) when `ksplit` simdgroups share each block
+    of rows."""
+    return QMV_SG // ksplit * rows_per_simdgroup(matrices)
+
+
+def choose_ksplit(out_dim: int, in_dim: int, tokens: int = 1, experts: int = 1, matrices: int = 1) -> int:
     """1 for a matrix under SPLIT_MIN_WEIGHTS, else the smallest split that gives TARGET_GROUPS threadgroups
     (the largest when none does)."""
     if out_dim * in_dim < SPLIT_MIN_WEIGHTS:
         return 1
     for ks in KSPLITS:
-        if _cdiv(out_dim, rows_per_group(ks)) * tokens * experts >= TARGET_GROUPS:
+        if _cdiv(out_dim, rows_per_group(ks, matrices)) * tokens * experts >= TARGET_GROUPS:
             return ks
     return KSPLITS[-1]
 
 
-def qmv_geometry(out_dim: int, in_dim: int, tokens: int, experts: int = 1, ksplit: int | None = None):
-    """(grid, threadgroup, ksplit) of qmv / gate_up: a threadgroup per rows_per_group(ksplit) output rows of
-    one token of one expert of the batch."""
-    ks = choose_ksplit(out_dim, in_dim, tokens, experts) if ksplit is None else int(ksplit)
+def qmv_geometry(out_dim: int, in_dim: int, tokens: int, experts: int = 1, ksplit: int | None = None,
+                 matrices: int = 1):
+    """(grid, threadgroup, ksplit) of qmv (matrices=1) / gate_up (2): a threadgroup per
+    rows_per_group(ksplit, matrices) output rows of one token of one expert of the batch."""
+    ks = choose_ksplit(out_dim, in_dim, tokens, experts, matrices) if ksplit is None else int(ksplit)
     if ks not in KSPLITS:
         raise ShapeError(f"ksplit {ksplit!r}: expected one of {KSPLITS}")
-    return (_cdiv(out_dim, rows_per_group(ks)), tokens, experts), (32 * QMV_SG, 1, 1), ks
+    return (_cdiv(out_dim, rows_per_group(ks, matrices)), tokens, experts), (32 * QMV_SG, 1, 1), ks
 
 
-def qmv_rows_of(group_x: int, simdgroup: int, ksplit: int) -> range:
+def qmv_rows_of(group_x: int, simdgroup: int, ksplit: int, matrices: int = 1) -> range:
     """Output rows that simdgroup `simdgroup` of threadgroup column `group_x` works on (the kernel's formula;
     `ksplit` simdgroups share each block of rows, each taking every ksplit-th step of the inputs)."""
     nrb = QMV_SG // ksplit
-    row0 = (group_x * nrb + simdgroup % nrb) * QMV_ROWS
-    return range(row0, row0 + QMV_ROWS)
+    rows = rows_per_simdgroup(matrices)
+    row0 = (group_x * nrb + simdgroup % nrb) * rows
+    return range(row0, row0 + rows)
 
 
 # ------------------------------------------------------------------------------------------- qmatmul
@@ -287,7 +295,7 @@ def gate_up_dispatch(x, gw, gs_, gb, uw, us, ub, bits, group_size, *, out=None) 
     h = _out(out, (T, I), "gate_up")
     if T == 0 or I == 0:
         return []
-    grid, tg, ks = qmv_geometry(I, D, T)
+    grid, tg, ks = qmv_geometry(I, D, T, matrices=2)
     args = {0: x, 1: gw, 2: gs_, 3: gb, 4: uw, 5: us, 6: ub, 7: h, 8: D, 9: I, 10: int(group_size),
             11: g_bits, 12: u_bits, 13: ks}
     return [Dispatch(SOURCE, "gate_up_swiglu", args, grid, tg, label=f"gate_up {I}x{D} q{g_bits}/q{u_bits}")]
@@ -333,7 +341,7 @@ def expert_ffn_record_dispatch(x, record, layout: RecordLayout, *, out=None, out
     h = _out(h, (n, T, I) if batch else (T, I), "expert_ffn_record scratch")
     if T == 0 or n == 0:
         return []
-    grid, tg, ks = qmv_geometry(I, D, T, n)
+    grid, tg, ks = qmv_geometry(I, D, T, n, matrices=2)
     args = {0: x, 1: flat, 2: gw.offset, 3: gsc.offset, 4: gbi.offset, 5: uw.offset, 6: usc.offset,
             7: ubi.offset, 8: h, 9: D, 10: I, 11: g_gs, 12: g_bits, 13: u_bits, 14: stride, 15: x_stride,
             16: T * I, 17: ks}
@@ -458,7 +466,8 @@ def moe_combine(executor: Executor, residual, y, weights, shared=None, shared_lo
 
 
 __all__ = [
-    "SOURCE", "KERNEL_BITS", "KSPLITS", "rows_per_group", "choose_ksplit", "qmv_geometry", "qmv_rows_of",
+    "SOURCE", "KERNEL_BITS", "KSPLITS", "rows_per_simdgroup", "rows_per_group", "choose_ksplit", "qmv_geometry",
+    "qmv_rows_of",
     "qmatmul_dispatch", "qmatmul", "qmatmul_record_dispatch",
     "gate_up_dispatch", "expert_ffn_dispatch", "expert_ffn", "expert_ffn_record_dispatch", "expert_ffn_record",
     "qembedding_dispatch", "qembedding", "moe_combine_ref", "moe_combine_dispatch", "moe_combine",

@@ -100,6 +100,18 @@ _SREG = {
 }
 
 
+# CUDA occupancy hints, {kernel name: (threads per threadgroup, threadgroups to fit on one SM)}: the entry gets
+# launch bounds, so ptxas keeps a thread's registers under 65536 / (threads x groups) (80 for 3 x 256). Without
+# them ptxas spends registers freely (96-128 for the 4-bit matvecs: 2 threadgroups per SM). Measured on an H200
+# (benchmarks/gpu.py --only bandwidth, L2-cold): the 10-expert 4-bit batch 42.9 -> 39.2 us, 65536 x 4096 4-bit
+# unchanged (58.1 / 58.4 us). Threads must equal the dispatch's threadgroup (ops_quant: 32 x QMV_SG; a test
+# checks): a launch with more threads than its bound fails.
+OCCUPANCY: dict[str, tuple[int, int]] = {
+    "qmv_b4": (256, 3), "qmv_rec_b4": (256, 3), "qmv_b8": (256, 3), "qmv_rec_b8": (256, 3),
+    "gate_up_swiglu": (256, 3), "gate_up_swiglu_rec": (256, 3),
+}
+
+
 def cuda_glue(kernels: dict[str, KernelSignature]) -> str:
     out = ["", "#pragma clang force_cuda_host_device end", "#undef double", '#line 1 "<moepack-cuda-glue>"']
     for k in kernels.values():
@@ -117,8 +129,10 @@ def cuda_glue(kernels: dict[str, KernelSignature]) -> str:
             else:
                 field = BUILTINS[p.builtin]
                 call.append(f"({p.base})32" if field is None else f"moepack_glue::builtin<{p.base}>::from(b_{field})")
+        occ = OCCUPANCY.get(k.name)
+        bounds = f"__attribute__((launch_bounds({occ[0]}, {occ[1]}))) " if occ else ""
         body = f"""
-extern "C" __global__ void {k.name}({', '.join(decl)}) {{
+extern "C" __global__ {bounds}void {k.name}({', '.join(decl)}) {{
   const uint3 b_tpitg = {_SREG['tid']};
   const uint3 b_tgpig = {_SREG['ctaid']};
   const uint3 b_tptg = {_SREG['ntid']};
