@@ -3,7 +3,7 @@
 // What they compute (numpy spec: moepack/runtime/kernels_ref.py; T = tokens, in/out = a projection's input
 // and output widths, I = expert intermediate, D = hidden, K = experts per token, gs = group size):
 //   qmv_b{2,4,8}, qmv_rec_b{2,4,8}   y[t, o] = sum_i x[t, i] * W[o, i]                       (kernels_ref.qmatmul)
-//   gate_up_swiglu, gate_up_swiglu_rec
+//   gate_up_swiglu, gate_up_swiglu_rec, gate_up_swiglu_rec_b{2,4,8}
 //                                    h[t, o] = silu(gate(x)[t, o]) * up(x)[t, o],  silu(g) = g / (1 + exp(-g))
 //                                    (expert_ffn = this, then qmv of the down projection on h)
 //   qembed_b{2,4,8}                  e[t, :] = W[ids[t], :]                                   (kernels_ref.qembedding)
@@ -41,23 +41,24 @@
 //                    s / NRB, + ksplit, ... The launch builder picks ksplit so that a small dispatch (one
 //                    expert's 1024 rows) still spreads over enough threadgroups to keep the GPU's loads in
 //                    flight, and a large one (a batch of experts, lm_head) keeps ksplit = 1.
-//                    A step is 32 lane runs of R = QMV_VPT * 8 / bits consecutive inputs (bits: the wider of
-//                    the two matrices'): 16 bytes of codes per lane and row, so a simdgroup reads 512
-//                    contiguous bytes of each row per step (64, 32, 16 inputs per lane at 2, 4, 8 bits).
+//                    A step is 32 lane runs of R consecutive inputs (bits: the wider of the two matrices'):
+//                    16 bytes of codes per lane and row at 4 and 8 bits (32, 16 inputs), 8 bytes at 2 bits (32
+//                    inputs, so a 1024-wide 2-bit row still fills the 32 lanes), so a simdgroup reads 512 or
+//                    256 contiguous bytes of each row per step; a run lies inside one group (gs >= 32).
 //                    Per threadgroup, x[t] is staged in threadgroup memory QMV_XCHUNK floats at a time (16 KiB:
 //                    a 397B hidden vector in one go), as float4s xor-swizzled against bank conflicts, with the
-//                    sum of each half run (xsum). In a step a lane first issues all its loads (the 16-byte
-//                    runs of its RB rows x NP matrices, their scales and biases), then, word by word, reads
-//                    the word's inputs (16 bytes at a time) and adds them times the codes of every row; each
-//                    row then gets  scale * dot(q, x) + bias * sum(x)  (per 32 inputs at 2 bits, whose runs
-//                    can span two groups of 32). Codes become floats without shifts or conversions
+//                    sum of each run (xsum). In a step a lane first issues all its loads (the runs of its RB
+//                    rows x NP matrices, their scales and biases), then, word by word, reads the word's inputs
+//                    (16 bytes at a time) and adds them times the codes of every row; each row then gets
+//                    scale * dot(q, x) + bias * sum(x). Codes become floats without shifts or conversions
 //                    (qdot_codes). simd_sum folds the 32 lanes; the ksplit partial sums of a row meet in
 //                    threadgroup memory, and thread (b * RB + r) adds them in k order and writes row r of
 //                    block b.
-//                    16-byte reads need every row 16-byte aligned: the buffer start (the launch builders
-//                    align host arrays; device buffers are), a record's component offset and stride (records:
-//                    multiples of 64 and of 16 KiB), and the row size in * bits / 8 (2-bit rows: in a
-//                    multiple of 64). Otherwise (checked per threadgroup) the same code reads word by word.
+//                    Vector reads (16 or 8 bytes, a run at once) need every row aligned to its run size: the
+//                    buffer start (the launch builders align host arrays to 16; device buffers are), a
+//                    record's component offset and stride (records: multiples of 64 and of 16 KiB), and the
+//                    row size in * bits / 8. Otherwise (checked per threadgroup) the same code reads word by
+//                    word.
 //   qmv*:            writes y[y_off + t * out + o]; y_off lets the down projections of a token's K experts land
 //                    in one [T, K, D] buffer for moe_combine (expert k of token t at y_off = (t * K + k) * D).
 //   qembed_bN:       threadgroup (QEMB_TG, 1, 1), grid (ceil(D*bits/32 / QEMB_TG), T, 1); a thread
@@ -92,28 +93,27 @@ struct qmat {
     uint wbyte;
 };
 
-// The lane run of a qmv step for matrices with B0- and B1-bit codes (geometry in the header): R inputs, 16
-// bytes of a row of the matrix with the wider codes (R * B / 32 words of each matrix: 4, 2 or 1), summed as
-// NH halves of RH inputs (two at 2 bits: a run can span two groups of 32, and half the x stays in
-// registers). SH: the shift of the x swizzle (xs_index).
+// The lane run of a qmv step for matrices with B0- and B1-bit codes (geometry in the header): R inputs of a
+// row, QMV_VPT * 8 / B of them (16 bytes of the matrix with the wider codes) but at most 32 (2-bit: 8 bytes),
+// so a run lies in one group (gs >= 32) and a 1024-wide 2-bit row still spreads over all 32 lanes. A run is
+// R * B / 32 words of each matrix: 4, 2 or 1.
 template <int B0, int B1>
 struct qrun {
-    enum { R = QMV_VPT * 8 / (B0 > B1 ? B0 : B1), NH = R == 64 ? 2 : 1, RH = R / NH, SH = R == 64 ? 4 : 3 };
+    enum { RW = QMV_VPT * 8 / (B0 > B1 ? B0 : B1), R = RW > 32 ? 32 : RW };
 };
 
 // x staged in threadgroup memory as float4s; float4 j lives at xs[xs_index(j)]: an xor swizzle inside each
-// aligned block of 8 float4s, so the 8 lanes of a quarter simdgroup, reading float4 k of their runs (R / 4
-// float4s apart), hit 8 different 16-byte bank groups (and the stagers' consecutive floats stay
+// aligned block of 8 float4s, so the 8 lanes of a quarter simdgroup, reading float4 k of their runs (R / 4 =
+// 8 or 4 float4s apart), hit different 16-byte bank groups (and the stagers' consecutive floats stay
 // conflict-free).
-template <int SH>
 METAL_FUNC uint xs_index(uint j) {
-    return j ^ ((j >> SH) & 7u);
+    return j ^ ((j >> 3) & 7u);
 }
 
-// Stage x[c0 .. c0+clen) of one token into threadgroup memory, and the sum of each aligned block of RH inputs
-// into xsum[clen / RH] (summed float4 by float4, in the order load_lane_x used to). Every thread of the group
-// calls it; the loop has a compile-time trip count so its loads are all in flight at once.
-template <int SH, int RH>
+// Stage x[c0 .. c0+clen) of one token into threadgroup memory, and the sum of each lane run (R inputs) into
+// xsum[clen / R] (summed float4 by float4, in input order). Every thread of the group calls it; the loop has
+// a compile-time trip count so its loads are all in flight at once.
+template <int R>
 METAL_FUNC void stage_x(device const float* xt, uint c0, uint clen, threadgroup float4* xs, threadgroup float* xsum,
                         uint tid) {
     threadgroup float* xf = (threadgroup float*)xs;
@@ -122,15 +122,15 @@ METAL_FUNC void stage_x(device const float* xt, uint c0, uint clen, threadgroup 
     for (uint k = 0; k < QMV_XCHUNK / (32 * QMV_SG); ++k) {
         const uint i = k * (32 * QMV_SG) + tid;
         if (i < clen) {
-            xf[xs_index<SH>(i >> 2) * 4 + (i & 3u)] = xt[c0 + i];
+            xf[xs_index(i >> 2) * 4 + (i & 3u)] = xt[c0 + i];
         }
     }
     threadgroup_barrier(mem_flags::mem_threadgroup);
-    for (uint b = tid; b < clen / RH; b += 32 * QMV_SG) {  // clen is a multiple of 32 >= RH
+    for (uint b = tid; b < clen / R; b += 32 * QMV_SG) {  // clen is a multiple of 32 >= R
         float s = 0.0f;
 #pragma clang loop unroll(full)
-        for (uint k = 0; k < RH / 4; ++k) {
-            const float4 v = xs[xs_index<SH>(b * (RH / 4) + k)];
+        for (uint k = 0; k < R / 4; ++k) {
+            const float4 v = xs[xs_index(b * (R / 4) + k)];
             s += v.x + v.y + v.z + v.w;
         }
         xsum[b] = s;
@@ -138,12 +138,12 @@ METAL_FUNC void stage_x(device const float* xt, uint c0, uint clen, threadgroup 
     threadgroup_barrier(mem_flags::mem_threadgroup);
 }
 
-// RH staged inputs from i0 (a multiple of RH) into registers, 16 bytes at a time.
-template <int SH, int RH>
+// N staged inputs from i0 (a multiple of 4) into registers, 16 bytes at a time.
+template <int N>
 METAL_FUNC void load_lane_x(threadgroup const float4* xs, uint i0, thread float* xv) {
 #pragma clang loop unroll(full)
-    for (uint k = 0; k < RH / 4; ++k) {
-        const float4 v = xs[xs_index<SH>((i0 >> 2) + k)];
+    for (uint k = 0; k < N / 4; ++k) {
+        const float4 v = xs[xs_index((i0 >> 2) + k)];
         xv[4 * k] = v.x;
         xv[4 * k + 1] = v.y;
         xv[4 * k + 2] = v.z;
@@ -152,11 +152,10 @@ METAL_FUNC void load_lane_x(threadgroup const float4* xs, uint i0, thread float*
 }
 
 // NW (4, 2 or 1) consecutive words of a row from p: one 16- or 8-byte load when VEC (the address is
-// aligned), else word by word. `full` false (never with VEC): a 2-bit run cut by the end of its row, only the
-// first half of its words exist (the rest read as 0 and are never used). The two kinds of load live in
-// different instances (VEC a template parameter): in one function a compiler may merge them into word loads.
+// aligned), else word by word. The two kinds of load live in different instances (VEC a template
+// parameter): in one function a compiler may merge them into word loads.
 template <int NW, bool VEC>
-METAL_FUNC void load_words(device const uint* p, bool full, thread uint* v) {
+METAL_FUNC void load_words(device const uint* p, thread uint* v) {
     if (NW == 4 && VEC) {
         const uint4 t = *((device const uint4*)p);
         v[0] = t.x;
@@ -170,10 +169,7 @@ METAL_FUNC void load_words(device const uint* p, bool full, thread uint* v) {
     } else {
 #pragma clang loop unroll(full)
         for (uint k = 0; k < NW; ++k) {
-            v[k] = 0u;
-            if (full || k < NW / 2) {
-                v[k] = p[k];
-            }
+            v[k] = p[k];
         }
     }
 }
@@ -202,12 +198,12 @@ METAL_FUNC float qdot_codes(uint w, uint first, thread const float* xv, float ac
 }
 
 // What a lane holds of one step for its rows (geometry in the header): NW words of each of ROWS rows of NP
-// matrices, and the scale and bias of each half run.
-template <int NP, int ROWS, int NH>
+// matrices, and the scale and bias of the run's group.
+template <int NP, int ROWS>
 struct qstep {
     uint v[NP][ROWS][4];
-    bfloat s[NP][ROWS][NH];
-    bfloat b[NP][ROWS][NH];
+    bfloat s[NP][ROWS];
+    bfloat b[NP][ROWS];
 };
 
 // The rows of a simdgroup: clamped row starts (words) of each matrix, and the first group of each row.
@@ -217,78 +213,67 @@ struct qrows {
     uint g[ROWS];
 };
 
-// Issue the loads of the step at input i (row offset): words, then scales and biases of each half run.
+// Issue the loads of the step at input i (row offset): words, then the scale and bias of the run's group.
 template <int B0, int B1, int NP, int ROWS, bool VEC>
-METAL_FUNC void qstep_load(qmat m0, qmat m1, thread const qrows<ROWS>& rw, uint i, bool full, uint gshift,
-                           thread qstep<NP, ROWS, qrun<B0, B1>::NH>& st) {
+METAL_FUNC void qstep_load(qmat m0, qmat m1, thread const qrows<ROWS>& rw, uint i, uint gshift,
+                           thread qstep<NP, ROWS>& st) {
     typedef qrun<B0, B1> RUN;
+    const uint g = i >> gshift;  // the run's group within the row
 #pragma clang loop unroll(full)
     for (uint r = 0; r < ROWS; ++r) {
-        load_words<RUN::R * B0 / 32, VEC>(m0.w + rw.w[0][r] + i * B0 / 32, full, st.v[0][r]);
+        load_words<RUN::R * B0 / 32, VEC>(m0.w + rw.w[0][r] + i * B0 / 32, st.v[0][r]);
         if (NP == 2) {
-            load_words<RUN::R * B1 / 32, VEC>(m1.w + rw.w[1][r] + i * B1 / 32, full, st.v[NP - 1][r]);
+            load_words<RUN::R * B1 / 32, VEC>(m1.w + rw.w[1][r] + i * B1 / 32, st.v[NP - 1][r]);
         }
     }
 #pragma clang loop unroll(full)
-    for (uint h = 0; h < RUN::NH; ++h) {
-        if (h == 0 || full) {
-            const uint g = (i + h * RUN::RH) >> gshift;  // the half's group within the row
-#pragma clang loop unroll(full)
-            for (uint r = 0; r < ROWS; ++r) {
-                st.s[0][r][h] = m0.scales[rw.g[r] + g];
-                st.b[0][r][h] = m0.biases[rw.g[r] + g];
-                if (NP == 2) {
-                    st.s[NP - 1][r][h] = m1.scales[rw.g[r] + g];
-                    st.b[NP - 1][r][h] = m1.biases[rw.g[r] + g];
-                }
-            }
+    for (uint r = 0; r < ROWS; ++r) {
+        st.s[0][r] = m0.scales[rw.g[r] + g];
+        st.b[0][r] = m0.biases[rw.g[r] + g];
+        if (NP == 2) {
+            st.s[NP - 1][r] = m1.scales[rw.g[r] + g];
+            st.b[NP - 1][r] = m1.biases[rw.g[r] + g];
         }
     }
 }
 
-// Sum one loaded step (staged inputs from i0 within the chunk) into the row accumulators: per half run and
-// row, scale * dot(q, x) + bias * sum(x). Word by word over the rows, so only one word's inputs (32 / bits
-// floats) are held in registers at a time; each row's dot is still summed in input order.
+// Sum one loaded step (staged inputs from i0 within the chunk) into the row accumulators: per row,
+// scale * dot(q, x) + bias * sum(x). Word by word over the rows, so only one word's inputs (32 / bits floats)
+// are held in registers at a time; each row's dot is still summed in input order.
 template <int B0, int B1, int NP, int ROWS>
-METAL_FUNC void qstep_sum(thread const qstep<NP, ROWS, qrun<B0, B1>::NH>& st, threadgroup const float4* xs,
-                          threadgroup const float* xsum, uint i0, bool full, uint z, thread float (&acc)[2][ROWS]) {
+METAL_FUNC void qstep_sum(thread const qstep<NP, ROWS>& st, threadgroup const float4* xs,
+                          threadgroup const float* xsum, uint i0, uint z, thread float (&acc)[2][ROWS]) {
     typedef qrun<B0, B1> RUN;
-    const uint NW0 = RUN::R * B0 / 32 / RUN::NH;  // words of a half run, matrix 0
-    const uint NW1 = RUN::R * B1 / 32 / RUN::NH;
-    const uint NWX = NW0 > NW1 ? NW0 : NW1;       // words of the matrix with the wider codes
-    const uint WX = RUN::RH / NWX;                // inputs per word of that matrix (16, 8 or 4)
+    const uint NW0 = RUN::R * B0 / 32;        // words of a run, matrix 0
+    const uint NW1 = RUN::R * B1 / 32;
+    const uint NWX = NW0 > NW1 ? NW0 : NW1;   // words of the matrix with the wider codes
+    const uint WX = RUN::R / NWX;             // inputs per word of that matrix (16, 8 or 4)
+    float d[2][ROWS];
 #pragma clang loop unroll(full)
-    for (uint h = 0; h < RUN::NH; ++h) {
-        if (h == 0 || full) {
-            float d[2][ROWS];
+    for (uint r = 0; r < ROWS; ++r) {
+        d[0][r] = 0.0f;
+        d[1][r] = 0.0f;
+    }
 #pragma clang loop unroll(full)
-            for (uint r = 0; r < ROWS; ++r) {
-                d[0][r] = 0.0f;
-                d[1][r] = 0.0f;
+    for (uint j = 0; j < NWX; ++j) {
+        float xv[WX];
+        load_lane_x<WX>(xs, i0 + j * WX, xv);
+#pragma clang loop unroll(full)
+        for (uint r = 0; r < ROWS; ++r) {
+            // a word of the narrower codes spans NWX / NW of these pieces: piece j % (NWX / NW) of it
+            d[0][r] = qdot_codes<B0, WX>(st.v[0][r][j / (NWX / NW0)], j % (NWX / NW0) * WX, xv, d[0][r], z);
+            if (NP == 2) {
+                d[1][r] = qdot_codes<B1, WX>(st.v[NP - 1][r][j / (NWX / NW1)], j % (NWX / NW1) * WX, xv, d[1][r],
+                                             z);
             }
+        }
+    }
+    const float xs_r = xsum[i0 / RUN::R];
 #pragma clang loop unroll(full)
-            for (uint j = 0; j < NWX; ++j) {
-                float xv[WX];
-                load_lane_x<RUN::SH, WX>(xs, i0 + h * RUN::RH + j * WX, xv);
-#pragma clang loop unroll(full)
-                for (uint r = 0; r < ROWS; ++r) {
-                    // a word of the narrower codes spans NWX / NW of these pieces: piece j % (NWX / NW) of it
-                    d[0][r] = qdot_codes<B0, WX>(st.v[0][r][h * NW0 + j / (NWX / NW0)], j % (NWX / NW0) * WX, xv,
-                                                 d[0][r], z);
-                    if (NP == 2) {
-                        d[1][r] = qdot_codes<B1, WX>(st.v[NP - 1][r][h * NW1 + j / (NWX / NW1)],
-                                                     j % (NWX / NW1) * WX, xv, d[1][r], z);
-                    }
-                }
-            }
-            const float xs_h = xsum[(i0 + h * RUN::RH) / RUN::RH];
-#pragma clang loop unroll(full)
-            for (uint r = 0; r < ROWS; ++r) {
-                acc[0][r] += fma(float(st.s[0][r][h]), d[0][r], float(st.b[0][r][h]) * xs_h);
-                if (NP == 2) {
-                    acc[1][r] += fma(float(st.s[NP - 1][r][h]), d[1][r], float(st.b[NP - 1][r][h]) * xs_h);
-                }
-            }
+    for (uint r = 0; r < ROWS; ++r) {
+        acc[0][r] += fma(float(st.s[0][r]), d[0][r], float(st.b[0][r]) * xs_r);
+        if (NP == 2) {
+            acc[1][r] += fma(float(st.s[NP - 1][r]), d[1][r], float(st.b[NP - 1][r]) * xs_r);
         }
     }
 }
@@ -330,14 +315,13 @@ METAL_FUNC void qmv_tile(device const float* x, qmat m0, qmat m1, device float* 
         acc[0][r] = 0.0f;
         acc[1][r] = 0.0f;
     }
-    qstep<NP, ROWS, RUN::NH> st;
+    qstep<NP, ROWS> st;
     for (uint c0 = 0; c0 < in_dim; c0 += QMV_XCHUNK) {
         const uint clen = min((uint)QMV_XCHUNK, in_dim - c0);
-        stage_x<RUN::SH, RUN::RH>(xt, c0, clen, xs, xsum, tid);
-        // `full` is false only for a 2-bit run cut to its first half (never with VEC)
+        stage_x<R>(xt, c0, clen, xs, xsum, tid);
         for (uint i0 = (kp * 32 + lane) * R; i0 < clen; i0 += ksplit * 32 * R) {
-            qstep_load<B0, B1, NP, ROWS, VEC>(m0, m1, rw, c0 + i0, VEC || i0 + R <= clen, gshift, st);
-            qstep_sum<B0, B1, NP, ROWS>(st, xs, xsum, i0, VEC || i0 + R <= clen, z, acc);
+            qstep_load<B0, B1, NP, ROWS, VEC>(m0, m1, rw, c0 + i0, gshift, st);
+            qstep_sum<B0, B1, NP, ROWS>(st, xs, xsum, i0, z, acc);
         }
     }
     // fold the 32 lanes, then the ksplit simdgroups of each row block (in k order)
@@ -368,15 +352,17 @@ METAL_FUNC void qmv_tile(device const float* x, qmat m0, qmat m1, device float* 
     }
 }
 
-// qmv_tile with 16-byte reads when both matrices' rows start 16-byte aligned (the buffers start aligned: the
-// launch builders see to it; records' components do), word reads otherwise (2-bit rows of an odd multiple
-// of 32 inputs). The condition is uniform over the threadgroup.
+// qmv_tile with a run read at once (16 or 8 bytes) when both matrices' rows start aligned to it (the buffers
+// start 16-byte aligned: the launch builders see to it; records' components do), word reads otherwise (a
+// buffer or component offset off that alignment). The condition is uniform over the threadgroup.
 template <int B0, int B1, int NP>
 METAL_FUNC void qmv_core(device const float* x, qmat m0, qmat m1, device float* y, uint in_dim, uint out_dim,
                          uint gs, uint ksplit, threadgroup float4* xs, threadgroup float* xsum, threadgroup float* part,
                          uint t, uint tgx, uint sg, uint tid, uint lane) {
-    const bool vec0 = ((m0.wbyte | (in_dim * B0 / 8)) & 15u) == 0u;
-    const bool vec1 = NP == 1 || ((m1.wbyte | (in_dim * B1 / 8)) & 15u) == 0u;
+    const uint run0 = qrun<B0, B1>::R * B0 / 8;  // bytes of a run: 16, 8 (or 4 for the narrower of a pair)
+    const uint run1 = qrun<B0, B1>::R * B1 / 8;
+    const bool vec0 = ((m0.wbyte | (in_dim * B0 / 8)) & (run0 - 1u)) == 0u;
+    const bool vec1 = NP == 1 || ((m1.wbyte | (in_dim * B1 / 8)) & (run1 - 1u)) == 0u;
     if (vec0 && vec1) {  // (mixed-width gate/up pairs, rare, keep word reads: half the code)
         qmv_tile<B0, B1, NP, B0 == B1>(x, m0, m1, y, in_dim, out_dim, gs, ksplit, xs, xsum, part, t, tgx, sg, tid, lane);
     } else {
@@ -567,6 +553,85 @@ kernel void gate_up_swiglu_rec(device const float* x [[buffer(0)]], device const
                      (device const bfloat*)(r + ub_off), tg.z * rec_stride + uw_off};
     gate_up_any(gate_bits, up_bits, x + tg.z * x_stride, gate, up, h + tg.z * h_stride, in_dim, out_dim,
                 group_size, ksplit, xs, xsum, part, tg.y, tg.x, sg, tid, lane);
+}
+
+// gate_up_swiglu_rec_bN: gate_up_swiglu_rec for gate and up both N-bit (buffers as above; 12 and 13 must be N),
+// the common case, as kernels of their own: a kernel's register budget is set by its heaviest path, so the
+// 4-bit experts should not share one with the 2-bit ones (measured on an H200: gate/up of 10 4-bit experts
+// 22.2 us alone vs 24.0 us inside the all-pairs kernel).
+template <int B>
+METAL_FUNC void gate_up_rec_uniform(device const float* x, device const uchar* rec, uint gw_off, uint gs_off,
+                                    uint gb_off, uint uw_off, uint us_off, uint ub_off, device float* h,
+                                    uint in_dim, uint out_dim, uint group_size, uint rec_stride, uint x_stride,
+                                    uint h_stride, uint ksplit, threadgroup float4* xs, threadgroup float* xsum,
+                                    threadgroup float* part, uint3 tg, uint tid, uint sg, uint lane) {
+    device const uchar* r = rec + tg.z * rec_stride;  // expert tg.z of the batch
+    const qmat gate = {(device const uint*)(r + gw_off), (device const bfloat*)(r + gs_off),
+                       (device const bfloat*)(r + gb_off), tg.z * rec_stride + gw_off};
+    const qmat up = {(device const uint*)(r + uw_off), (device const bfloat*)(r + us_off),
+                     (device const bfloat*)(r + ub_off), tg.z * rec_stride + uw_off};
+    qmv_core<B, B, 2>(x + tg.z * x_stride, gate, up, h + tg.z * h_stride, in_dim, out_dim, group_size, ksplit, xs,
+                      xsum, part, tg.y, tg.x, sg, tid, lane);
+}
+
+kernel void gate_up_swiglu_rec_b2(device const float* x [[buffer(0)]], device const uchar* rec [[buffer(1)]],
+                                  constant uint& gw_off [[buffer(2)]], constant uint& gs_off [[buffer(3)]],
+                                  constant uint& gb_off [[buffer(4)]], constant uint& uw_off [[buffer(5)]],
+                                  constant uint& us_off [[buffer(6)]], constant uint& ub_off [[buffer(7)]],
+                                  device float* h [[buffer(8)]], constant uint& in_dim [[buffer(9)]],
+                                  constant uint& out_dim [[buffer(10)]], constant uint& group_size [[buffer(11)]],
+                                  constant uint& gate_bits [[buffer(12)]], constant uint& up_bits [[buffer(13)]],
+                                  constant uint& rec_stride [[buffer(14)]], constant uint& x_stride [[buffer(15)]],
+                                  constant uint& h_stride [[buffer(16)]], constant uint& ksplit [[buffer(17)]],
+                                  uint3 tg [[threadgroup_position_in_grid]],
+                                  uint tid [[thread_index_in_threadgroup]],
+                                  uint sg [[simdgroup_index_in_threadgroup]],
+                                  uint lane [[thread_index_in_simdgroup]]) {
+    threadgroup float4 xs[QMV_XCHUNK / 4];
+    threadgroup float xsum[QMV_XCHUNK / 16];
+    threadgroup float part[QMV_SG * QMV_ROWS * 2];
+    gate_up_rec_uniform<2>(x, rec, gw_off, gs_off, gb_off, uw_off, us_off, ub_off, h, in_dim, out_dim, group_size,
+                           rec_stride, x_stride, h_stride, ksplit, xs, xsum, part, tg, tid, sg, lane);
+}
+
+kernel void gate_up_swiglu_rec_b4(device const float* x [[buffer(0)]], device const uchar* rec [[buffer(1)]],
+                                  constant uint& gw_off [[buffer(2)]], constant uint& gs_off [[buffer(3)]],
+                                  constant uint& gb_off [[buffer(4)]], constant uint& uw_off [[buffer(5)]],
+                                  constant uint& us_off [[buffer(6)]], constant uint& ub_off [[buffer(7)]],
+                                  device float* h [[buffer(8)]], constant uint& in_dim [[buffer(9)]],
+                                  constant uint& out_dim [[buffer(10)]], constant uint& group_size [[buffer(11)]],
+                                  constant uint& gate_bits [[buffer(12)]], constant uint& up_bits [[buffer(13)]],
+                                  constant uint& rec_stride [[buffer(14)]], constant uint& x_stride [[buffer(15)]],
+                                  constant uint& h_stride [[buffer(16)]], constant uint& ksplit [[buffer(17)]],
+                                  uint3 tg [[threadgroup_position_in_grid]],
+                                  uint tid [[thread_index_in_threadgroup]],
+                                  uint sg [[simdgroup_index_in_threadgroup]],
+                                  uint lane [[thread_index_in_simdgroup]]) {
+    threadgroup float4 xs[QMV_XCHUNK / 4];
+    threadgroup float xsum[QMV_XCHUNK / 16];
+    threadgroup float part[QMV_SG * QMV_ROWS * 2];
+    gate_up_rec_uniform<4>(x, rec, gw_off, gs_off, gb_off, uw_off, us_off, ub_off, h, in_dim, out_dim, group_size,
+                           rec_stride, x_stride, h_stride, ksplit, xs, xsum, part, tg, tid, sg, lane);
+}
+
+kernel void gate_up_swiglu_rec_b8(device const float* x [[buffer(0)]], device const uchar* rec [[buffer(1)]],
+                                  constant uint& gw_off [[buffer(2)]], constant uint& gs_off [[buffer(3)]],
+                                  constant uint& gb_off [[buffer(4)]], constant uint& uw_off [[buffer(5)]],
+                                  constant uint& us_off [[buffer(6)]], constant uint& ub_off [[buffer(7)]],
+                                  device float* h [[buffer(8)]], constant uint& in_dim [[buffer(9)]],
+                                  constant uint& out_dim [[buffer(10)]], constant uint& group_size [[buffer(11)]],
+                                  constant uint& gate_bits [[buffer(12)]], constant uint& up_bits [[buffer(13)]],
+                                  constant uint& rec_stride [[buffer(14)]], constant uint& x_stride [[buffer(15)]],
+                                  constant uint& h_stride [[buffer(16)]], constant uint& ksplit [[buffer(17)]],
+                                  uint3 tg [[threadgroup_position_in_grid]],
+                                  uint tid [[thread_index_in_threadgroup]],
+                                  uint sg [[simdgroup_index_in_threadgroup]],
+                                  uint lane [[thread_index_in_simdgroup]]) {
+    threadgroup float4 xs[QMV_XCHUNK / 4];
+    threadgroup float xsum[QMV_XCHUNK / 16];
+    threadgroup float part[QMV_SG * QMV_ROWS * 2];
+    gate_up_rec_uniform<8>(x, rec, gw_off, gs_off, gb_off, uw_off, us_off, ub_off, h, in_dim, out_dim, group_size,
+                           rec_stride, x_stride, h_stride, ksplit, xs, xsum, part, tg, tid, sg, lane);
 }
 
 // ------------------------------------------------------------------------------------------- embedding

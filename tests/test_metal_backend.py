@@ -67,7 +67,7 @@ def test_model_through_emulated_kernels_matches_numpy(packed, arch, bits):
     assert gk.cpu_fallbacks == 0
     kernels = {x.kernel for x in gk.log.launches}
     # routed experts go through the record kernels (the raw pread buffer, components at their offsets)
-    assert "gate_up_swiglu_rec" in kernels and any(k.startswith("qmv_rec_b") for k in kernels)
+    assert f"gate_up_swiglu_rec_b{bits}" in kernels and f"qmv_rec_b{bits}" in kernels
     assert "router_topk_f32" in kernels and "rmsnorm_f32" in kernels
     if arch != "qwen3_moe":
         assert {"gated_delta_f32", "conv1d_step_f32", "gated_rmsnorm_f32"} <= kernels
@@ -102,9 +102,9 @@ def test_launch_plan_checks_and_groups_every_dispatch(packed):
     for cb in plan["decode"]:
         if cb["phase"] == "experts":
             names = [x["kernel"] for x in cb["launches"]]
-            assert names.count("gate_up_swiglu_rec") == 1 and names.count("qmv_rec_b2") == 1
+            assert names.count("gate_up_swiglu_rec_b2") == 1 and names.count("qmv_rec_b2") == 1
             assert names[-1] == "moe_combine"
-            rec = next(x for x in cb["launches"] if x["kernel"] == "gate_up_swiglu_rec")["buffers"]["1"]
+            rec = next(x for x in cb["launches"] if x["kernel"] == "gate_up_swiglu_rec_b2")["buffers"]["1"]
             assert rec == f"uint8[{k * row}]"  # the K rows, flattened
     # the prefill (3 tokens routed to different experts) keeps one launch pair per expert
     assert plan["prefill_launches"] > plan["decode_launches"]

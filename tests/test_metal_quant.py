@@ -140,6 +140,7 @@ def test_record_dispatch_offsets_come_from_the_layout():
     names = ["gate.weight", "gate.scales", "gate.biases", "up.weight", "up.scales", "up.biases"]
     assert [gu.args[i] for i in range(2, 8)] == [lay.component(n).offset for n in names]
     assert (gu.args[12], gu.args[13]) == (4, 2) and down.kernel == "qmv_rec_b8"
+    assert gu.kernel == "gate_up_swiglu_rec"  # mixed widths: the all-pairs kernel (uniform ones have their own)
     assert [down.args[i] for i in (2, 3, 4)] == [lay.component(f"down.{p}").offset for p in
                                                  ("weight", "scales", "biases")]
     assert down.args[0] is gu.args[8]  # the down matvec reads h, the gate/up output
@@ -167,6 +168,8 @@ def all_dispatches():
         out += OQ.qembedding_dispatch([1, 2], *w, bits, 64)
         lay = record_layout(MoeShape(1, 1, 1, D, I), bits, 64)
         out += OQ.expert_ffn_record_dispatch(x, np.zeros(lay.record_size, np.uint8), lay)
+    lay = record_layout(MoeShape(1, 1, 1, D, I), {"gate": 4, "up": 2, "down": 8}, 64)  # mixed widths
+    out += OQ.expert_ffn_record_dispatch(x, np.zeros(lay.record_size, np.uint8), lay)
     g, u, dn = qweights(r, I, D, 4, 64), qweights(r, I, D, 4, 64), qweights(r, D, I, 4, 64)
     out += OQ.expert_ffn_dispatch(x, *g, *u, *dn, 4, 64)
     y = np.zeros((2, 3, D), np.float32)
@@ -174,7 +177,8 @@ def all_dispatches():
     out += OQ.moe_combine_dispatch(x, y, np.zeros((2, 3)), x, np.zeros(2))
     assert {d.kernel for d in out} == {"qmv_b2", "qmv_b4", "qmv_b8", "qmv_rec_b2", "qmv_rec_b4", "qmv_rec_b8",
                                        "qembed_b2", "qembed_b4", "qembed_b8", "gate_up_swiglu",
-                                       "gate_up_swiglu_rec", "moe_combine", "moe_combine_shared"}
+                                       "gate_up_swiglu_rec", "gate_up_swiglu_rec_b2", "gate_up_swiglu_rec_b4",
+                                       "gate_up_swiglu_rec_b8", "moe_combine", "moe_combine_shared"}
     return out
 
 

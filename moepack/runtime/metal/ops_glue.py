@@ -265,7 +265,8 @@ def dev_experts(x, block: np.ndarray, layout, h, y) -> list[Dispatch]:
     grid2, tg2, ks2 = ops_quant.qmv_geometry(D_out, I_in, 1, n)
     down = {0: h, 1: flat, 2: dw.offset, 3: dsc.offset, 4: dbi.offset, 5: y, 6: I_in, 7: D_out, 8: d_gs, 9: 0,
             10: stride, 11: I_in, 12: D_out, 13: ks2}
-    return [Dispatch(ops_quant.SOURCE, "gate_up_swiglu_rec", first, grid, tg, label=f"{n} experts gate_up"),
+    return [Dispatch(ops_quant.SOURCE, ops_quant.gate_up_record_kernel(g_bits, u_bits), first, grid, tg,
+                     label=f"{n} experts gate_up"),
             Dispatch(ops_quant.SOURCE, f"qmv_rec_b{d_bits}", down, grid2, tg2, label=f"{n} experts down")]
 
 

@@ -31,7 +31,7 @@ KERNEL_BITS = (2, 4, 8)  # bit widths with kernels (3-bit codes straddle words: 
 
 QMV_SG = 8  # simdgroups per threadgroup
 QMV_ROWS = 4  # output rows per simdgroup
-QMV_VPT = 16  # inputs in 16 bytes of 8-bit codes: a lane reads QMV_VPT * 8 / bits inputs of a row per step
+QMV_VPT = 16  # inputs in 16 bytes of 8-bit codes: a lane reads min(QMV_VPT * 8 / bits, 32) inputs of a row a step
 QMV_XCHUNK = 4096  # floats of x staged in threadgroup memory at a time
 QEMB_TG = 64  # threads per threadgroup of qembed
 QCOMB_TG = 256  # threads per threadgroup of moe_combine
@@ -321,6 +321,12 @@ def expert_ffn(executor: Executor, x, gw, gs_, gb, uw, us, ub, dw, ds, db, bits,
     return y
 
 
+def gate_up_record_kernel(gate_bits: int, up_bits: int) -> str:
+    """The fused gate/up kernel for records: one of its own when both widths agree (its registers are not
+    sized by the other widths' code), else the all-pairs gate_up_swiglu_rec."""
+    return f"gate_up_swiglu_rec_b{gate_bits}" if gate_bits == up_bits else "gate_up_swiglu_rec"
+
+
 def expert_ffn_record_dispatch(x, record, layout: RecordLayout, *, out=None, out_offset: int = 0,
                                h=None) -> list[Dispatch]:
     """Routed experts from their raw records: fused gate/up + SwiGLU, then down (two dispatches).
@@ -345,7 +351,7 @@ def expert_ffn_record_dispatch(x, record, layout: RecordLayout, *, out=None, out
     args = {0: x, 1: flat, 2: gw.offset, 3: gsc.offset, 4: gbi.offset, 5: uw.offset, 6: usc.offset,
             7: ubi.offset, 8: h, 9: D, 10: I, 11: g_gs, 12: g_bits, 13: u_bits, 14: stride, 15: x_stride,
             16: T * I, 17: ks}
-    first = Dispatch(SOURCE, "gate_up_swiglu_rec", args, grid, tg,
+    first = Dispatch(SOURCE, gate_up_record_kernel(g_bits, u_bits), args, grid, tg,
                      label=f"{n} expert(s) gate_up q{g_bits}/q{u_bits}")
     down = qmatmul_record_dispatch(h.reshape((n, T, I)) if batch else h, record, layout, "down", out=out,
                                    out_offset=out_offset)
@@ -469,7 +475,7 @@ __all__ = [
     "SOURCE", "KERNEL_BITS", "KSPLITS", "rows_per_simdgroup", "rows_per_group", "choose_ksplit", "qmv_geometry",
     "qmv_rows_of",
     "qmatmul_dispatch", "qmatmul", "qmatmul_record_dispatch",
-    "gate_up_dispatch", "expert_ffn_dispatch", "expert_ffn", "expert_ffn_record_dispatch", "expert_ffn_record",
+    "gate_up_dispatch", "gate_up_record_kernel", "expert_ffn_dispatch", "expert_ffn", "expert_ffn_record_dispatch", "expert_ffn_record",
     "qembedding_dispatch", "qembedding", "moe_combine_ref", "moe_combine_dispatch", "moe_combine",
 ]
 
