@@ -357,16 +357,18 @@ METAL_FUNC void qmv_tile(device const float* x, qmat m0, qmat m1, device float* 
 // buffer or component offset off that alignment). The condition is uniform over the threadgroup.
 template <int B0, int B1, int NP>
 METAL_FUNC void qmv_core(device const float* x, qmat m0, qmat m1, device float* y, uint in_dim, uint out_dim,
-                         uint gs, uint ksplit, threadgroup float4* xs, threadgroup float* xsum, threadgroup float* part,
-                         uint t, uint tgx, uint sg, uint tid, uint lane) {
+                         uint gs, uint ksplit, threadgroup float4* xs, threadgroup float* xsum,
+                         threadgroup float* part, uint t, uint tgx, uint sg, uint tid, uint lane) {
     const uint run0 = qrun<B0, B1>::R * B0 / 8;  // bytes of a run: 16, 8 (or 4 for the narrower of a pair)
     const uint run1 = qrun<B0, B1>::R * B1 / 8;
     const bool vec0 = ((m0.wbyte | (in_dim * B0 / 8)) & (run0 - 1u)) == 0u;
     const bool vec1 = NP == 1 || ((m1.wbyte | (in_dim * B1 / 8)) & (run1 - 1u)) == 0u;
     if (vec0 && vec1) {  // (mixed-width gate/up pairs, rare, keep word reads: half the code)
-        qmv_tile<B0, B1, NP, B0 == B1>(x, m0, m1, y, in_dim, out_dim, gs, ksplit, xs, xsum, part, t, tgx, sg, tid, lane);
+        qmv_tile<B0, B1, NP, B0 == B1>(x, m0, m1, y, in_dim, out_dim, gs, ksplit, xs, xsum, part, t, tgx, sg, tid,
+                                       lane);
     } else {
-        qmv_tile<B0, B1, NP, false>(x, m0, m1, y, in_dim, out_dim, gs, ksplit, xs, xsum, part, t, tgx, sg, tid, lane);
+        qmv_tile<B0, B1, NP, false>(x, m0, m1, y, in_dim, out_dim, gs, ksplit, xs, xsum, part, t, tgx, sg, tid,
+                                    lane);
     }
 }
 
@@ -374,17 +376,27 @@ METAL_FUNC void qmv_core(device const float* x, qmat m0, qmat m1, device float* 
 // launch builder refuses it). The condition is uniform over the grid, so every thread meets the same barriers.
 METAL_FUNC void gate_up_any(uint gate_bits, uint up_bits, device const float* x, qmat gate, qmat up, device float* h,
                         uint in_dim, uint out_dim, uint gs, uint ksplit, threadgroup float4* xs,
-                        threadgroup float* xsum, threadgroup float* part, uint t, uint tgx, uint sg, uint tid, uint lane) {
+                        threadgroup float* xsum, threadgroup float* part, uint t, uint tgx, uint sg, uint tid,
+                        uint lane) {
     const uint pair = gate_bits * 16 + up_bits;
-    if (pair == 0x22) qmv_core<2, 2, 2>(x, gate, up, h, in_dim, out_dim, gs, ksplit, xs, xsum, part, t, tgx, sg, tid, lane);
-    if (pair == 0x24) qmv_core<2, 4, 2>(x, gate, up, h, in_dim, out_dim, gs, ksplit, xs, xsum, part, t, tgx, sg, tid, lane);
-    if (pair == 0x28) qmv_core<2, 8, 2>(x, gate, up, h, in_dim, out_dim, gs, ksplit, xs, xsum, part, t, tgx, sg, tid, lane);
-    if (pair == 0x42) qmv_core<4, 2, 2>(x, gate, up, h, in_dim, out_dim, gs, ksplit, xs, xsum, part, t, tgx, sg, tid, lane);
-    if (pair == 0x44) qmv_core<4, 4, 2>(x, gate, up, h, in_dim, out_dim, gs, ksplit, xs, xsum, part, t, tgx, sg, tid, lane);
-    if (pair == 0x48) qmv_core<4, 8, 2>(x, gate, up, h, in_dim, out_dim, gs, ksplit, xs, xsum, part, t, tgx, sg, tid, lane);
-    if (pair == 0x82) qmv_core<8, 2, 2>(x, gate, up, h, in_dim, out_dim, gs, ksplit, xs, xsum, part, t, tgx, sg, tid, lane);
-    if (pair == 0x84) qmv_core<8, 4, 2>(x, gate, up, h, in_dim, out_dim, gs, ksplit, xs, xsum, part, t, tgx, sg, tid, lane);
-    if (pair == 0x88) qmv_core<8, 8, 2>(x, gate, up, h, in_dim, out_dim, gs, ksplit, xs, xsum, part, t, tgx, sg, tid, lane);
+    if (pair == 0x22)
+        qmv_core<2, 2, 2>(x, gate, up, h, in_dim, out_dim, gs, ksplit, xs, xsum, part, t, tgx, sg, tid, lane);
+    if (pair == 0x24)
+        qmv_core<2, 4, 2>(x, gate, up, h, in_dim, out_dim, gs, ksplit, xs, xsum, part, t, tgx, sg, tid, lane);
+    if (pair == 0x28)
+        qmv_core<2, 8, 2>(x, gate, up, h, in_dim, out_dim, gs, ksplit, xs, xsum, part, t, tgx, sg, tid, lane);
+    if (pair == 0x42)
+        qmv_core<4, 2, 2>(x, gate, up, h, in_dim, out_dim, gs, ksplit, xs, xsum, part, t, tgx, sg, tid, lane);
+    if (pair == 0x44)
+        qmv_core<4, 4, 2>(x, gate, up, h, in_dim, out_dim, gs, ksplit, xs, xsum, part, t, tgx, sg, tid, lane);
+    if (pair == 0x48)
+        qmv_core<4, 8, 2>(x, gate, up, h, in_dim, out_dim, gs, ksplit, xs, xsum, part, t, tgx, sg, tid, lane);
+    if (pair == 0x82)
+        qmv_core<8, 2, 2>(x, gate, up, h, in_dim, out_dim, gs, ksplit, xs, xsum, part, t, tgx, sg, tid, lane);
+    if (pair == 0x84)
+        qmv_core<8, 4, 2>(x, gate, up, h, in_dim, out_dim, gs, ksplit, xs, xsum, part, t, tgx, sg, tid, lane);
+    if (pair == 0x88)
+        qmv_core<8, 8, 2>(x, gate, up, h, in_dim, out_dim, gs, ksplit, xs, xsum, part, t, tgx, sg, tid, lane);
 }
 
 // ------------------------------------------------------------------------------------------- qmv

@@ -475,7 +475,8 @@ __all__ = [
     "SOURCE", "KERNEL_BITS", "KSPLITS", "rows_per_simdgroup", "rows_per_group", "choose_ksplit", "qmv_geometry",
     "qmv_rows_of",
     "qmatmul_dispatch", "qmatmul", "qmatmul_record_dispatch",
-    "gate_up_dispatch", "gate_up_record_kernel", "expert_ffn_dispatch", "expert_ffn", "expert_ffn_record_dispatch", "expert_ffn_record",
+    "gate_up_dispatch", "gate_up_record_kernel", "expert_ffn_dispatch", "expert_ffn", "expert_ffn_record_dispatch",
+    "expert_ffn_record",
     "qembedding_dispatch", "qembedding", "moe_combine_ref", "moe_combine_dispatch", "moe_combine",
 ]
 

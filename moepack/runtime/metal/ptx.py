@@ -102,15 +102,13 @@ _SREG = {
 
 # CUDA occupancy hints, {kernel name: (threads per threadgroup, threadgroups to fit on one SM)}: the entry gets
 # launch bounds, so ptxas keeps a thread's registers under 65536 / (threads x groups) (80 for 3 x 256). Without
-# them ptxas spends registers freely (96-128 for the 4-bit matvecs: 2 threadgroups per SM). Measured on an H200
+# them ptxas spends registers freely (96-168 for the matvecs: 2 or 1 threadgroups per SM). Measured on an H200
 # (benchmarks/gpu.py --only bandwidth, L2-cold): the 10-expert 4-bit batch 42.9 -> 39.2 us, 65536 x 4096 4-bit
-# unchanged (58.1 / 58.4 us), 65536 x 4096 2-bit 63.3 -> 56.9 us. Threads must equal the dispatch's threadgroup (ops_quant: 32 x QMV_SG; a test
-# checks): a launch with more threads than its bound fails.
-OCCUPANCY: dict[str, tuple[int, int]] = {
-    name: (256, 3) for name in ("qmv_b2", "qmv_b4", "qmv_b8", "qmv_rec_b2", "qmv_rec_b4", "qmv_rec_b8", "gate_up_swiglu",
-                                "gate_up_swiglu_rec", "gate_up_swiglu_rec_b2", "gate_up_swiglu_rec_b4",
-                                "gate_up_swiglu_rec_b8")
-}
+# unchanged (58.1 / 58.4 us), 65536 x 4096 2-bit 63.3 -> 56.9 us. The threads must equal the dispatch's
+# threadgroup (ops_quant: 32 x QMV_SG; a test checks): a launch with more threads than its bound fails.
+_MATVECS = ("qmv_b2", "qmv_b4", "qmv_b8", "qmv_rec_b2", "qmv_rec_b4", "qmv_rec_b8", "gate_up_swiglu",
+            "gate_up_swiglu_rec", "gate_up_swiglu_rec_b2", "gate_up_swiglu_rec_b4", "gate_up_swiglu_rec_b8")
+OCCUPANCY: dict[str, tuple[int, int]] = {name: (256, 3) for name in _MATVECS}
 
 
 def cuda_glue(kernels: dict[str, KernelSignature]) -> str:
