@@ -303,14 +303,67 @@ def _time_cold(cp, runs, n: int = 64, reps: int = 7) -> tuple[float, float, str]
     return float(np.median(ts)), float(np.median(alone)), how
 
 
-def _bw_row(name: str, nbytes: int, us: float, alone: float, how: str, err: float | None) -> dict:
+# A plain read of the same bytes, for the same-size ceiling: each thread xors 16-byte loads (four in flight per
+# loop trip) over a grid-stride loop; the result is written only if it equals a value it never takes, so the
+# loads stay and nothing is written.
+_READ_SRC = r"""
+extern "C" __global__ void read_ceiling(const uint4* __restrict__ p, unsigned long long n, unsigned* out) {
+    unsigned long long i = blockIdx.x * (unsigned long long)blockDim.x + threadIdx.x;
+    const unsigned long long step = (unsigned long long)gridDim.x * blockDim.x;
+    uint4 a = make_uint4(0, 0, 0, 0);
+    for (; i + 3 * step < n; i += 4 * step) {
+        const uint4 v0 = __ldg(p + i), v1 = __ldg(p + i + step), v2 = __ldg(p + i + 2 * step),
+                    v3 = __ldg(p + i + 3 * step);
+        a.x ^= v0.x ^ v1.x ^ v2.x ^ v3.x; a.y ^= v0.y ^ v1.y ^ v2.y ^ v3.y;
+        a.z ^= v0.z ^ v1.z ^ v2.z ^ v3.z; a.w ^= v0.w ^ v1.w ^ v2.w ^ v3.w;
+    }
+    for (; i < n; i += step) { const uint4 v = __ldg(p + i); a.x ^= v.x; a.y ^= v.y; a.z ^= v.z; a.w ^= v.w; }
+    if ((a.x ^ a.y ^ a.z ^ a.w) == 0x9e3779b9u && a.x == 0x7f4a7c15u) out[0] = a.y;
+}
+"""
+
+
+def read_ceiling(cp, sizes: list[int], copies: int) -> float:
+    """us per round of plain reads, one launch per entry of `sizes` (bytes), over `copies` rotating buffers,
+    timed as the matvecs are (_time_cold): what reading these bytes in these launches can reach here."""
+    kern = cp.RawKernel(_READ_SRC, "read_ceiling")
+    sms = cp.cuda.Device().attributes["MultiProcessorCount"]
+    out = cp.zeros(1, dtype=cp.uint32)
+    bufs = [cp.zeros((sum(sizes) // 16 + 1, 4), dtype=cp.uint32) for _ in range(copies)]  # rows of 16 bytes
+    runs = []
+    for buf in bufs:
+        calls, off = [], 0
+        for n in sizes:
+            n16 = n // 16
+            grid = max(1, min(sms * 8, -(-n16 // (256 * 4))))
+            calls.append(((grid,), (256,), (buf[off:off + n16], np.uint64(n16), out)))
+            off += n16
+
+        def run(calls=calls):
+            for g, t, a in calls:
+                kern(g, t, a)
+
+        runs.append(run)
+    us, _, _ = _time_cold(cp, runs)
+    del bufs
+    return us
+
+
+def _bw_row(name: str, nbytes: int, us: float, alone: float, how: str, err: float | None,
+            ceiling_us: float | None = None) -> dict:
     gbps = nbytes / us / 1e3
     row = {"case": name, "MB": nbytes / 1e6, "us": us, "GBps": gbps, "pct_peak": 100 * gbps / HBM_PEAK_GBPS,
            "us_alone": alone, "GBps_alone": nbytes / alone / 1e3, "timing": how, "max_rel_err": err}
+    if ceiling_us is not None:  # a plain read of the same bytes in the same launches
+        row["read_ceiling_us"] = ceiling_us
+        row["read_ceiling_pct_peak"] = 100 * nbytes / ceiling_us / 1e3 / HBM_PEAK_GBPS
+        row["of_read_ceiling"] = ceiling_us / us
     # a launch moving less than ~8 MB lasts about as long as launching it: its figure says more about latency
     row["latency_bound"] = nbytes < (8 << 20)
     print(f"bw {name:<34} {row['MB']:7.1f} MB {us:8.1f} us {gbps:7.0f} GB/s {row['pct_peak']:5.1f}% of "
           f"{HBM_PEAK_GBPS:.0f}  | alone {alone:7.1f} us {row['GBps_alone']:6.0f} GB/s"
+          + (f"  | plain read {ceiling_us:6.1f} us {row['read_ceiling_pct_peak']:5.1f}%: "
+             f"{100 * row['of_read_ceiling']:3.0f}% of it" if ceiling_us is not None else "")
           + ("  [latency-bound]" if row["latency_bound"] else "") + (f"  err {err:.1e}" if err is not None else ""),
           flush=True)
     return row
@@ -358,8 +411,10 @@ def quant_bandwidth(ex: CudaExecutor, bits_list=(4, 2), check: bool = True, tag:
             x = rng.standard_normal((1, in_dim)).astype(np.float32)
             ds = ops_quant.qmatmul_dispatch(x, w, s, b, bits, 64)
             nbytes = w.nbytes + s.nbytes + b.nbytes
-            runs, dev = _cold_launchers(ex, ds, max(1, min(64, BW_ROTATE_BYTES // nbytes)))
+            copies = max(1, min(64, BW_ROTATE_BYTES // nbytes))
+            runs, dev = _cold_launchers(ex, ds, copies)
             us, alone, how = _time_cold(cp, runs)
+            ceil_us = read_ceiling(cp, [nbytes], copies)
             err = None
             if check:
                 runs[0]()
@@ -367,7 +422,7 @@ def quant_bandwidth(ex: CudaExecutor, bits_list=(4, 2), check: bool = True, tag:
                 n = min(out_dim, 2048)
                 ref = REF.qmatmul(x, w[:n], s[:n], b[:n], bits, 64)
                 err = float(np.abs(y[:, :n] - ref).max() / np.abs(ref).max())
-            rows.append(_bw_row(f"{tag}qmv {bits}-bit {out_dim}x{in_dim}", nbytes, us, alone, how, err))
+            rows.append(_bw_row(f"{tag}qmv {bits}-bit {out_dim}x{in_dim}", nbytes, us, alone, how, err, ceil_us))
             del runs, dev
         D, I, E = 4096, 1024, 10
         from moepack.archs.base import MoeShape
@@ -386,8 +441,12 @@ def quant_bandwidth(ex: CudaExecutor, bits_list=(4, 2), check: bool = True, tag:
         y = np.zeros((E, 1, D), np.float32)
         ds = ops_quant.expert_ffn_record_dispatch(x, recs, layout, out=y)
         nbytes = E * layout.payload_size
-        runs, dev = _cold_launchers(ex, ds, max(1, BW_ROTATE_BYTES // nbytes))
+        copies = max(1, BW_ROTATE_BYTES // nbytes)
+        runs, dev = _cold_launchers(ex, ds, copies)
         us, alone, how = _time_cold(cp, runs)
+        launch_bytes = [E * sum(layout.component(f"{p}.{q}").nbytes for p in projs
+                                for q in ("weight", "scales", "biases")) for projs in (("gate", "up"), ("down",))]
+        ceil_us = read_ceiling(cp, launch_bytes, copies)
         err = None
         if check:
             runs[0]()
@@ -399,13 +458,13 @@ def quant_bandwidth(ex: CudaExecutor, bits_list=(4, 2), check: bool = True, tag:
                 ref = REF.expert_ffn(x, *parts, bits, 64)
                 errs.append(float(np.abs(got[e] - ref).max() / np.abs(ref).max()))
             err = max(errs)
-        rows.append(_bw_row(f"{tag}{E} experts {bits}-bit (2 launches)", nbytes, us, alone, how, err))
+        rows.append(_bw_row(f"{tag}{E} experts {bits}-bit (2 launches)", nbytes, us, alone, how, err, ceil_us))
         del runs, dev
-        for d, projs in ((ds[0], ("gate", "up")), (ds[1], ("down",))):  # each launch on its own
-            part = E * sum(layout.component(f"{p}.{q}").nbytes for p in projs for q in ("weight", "scales", "biases"))
-            runs, dev = _cold_launchers(ex, [d], max(1, BW_ROTATE_BYTES // nbytes))
+        for d, projs, part in zip(ds, (("gate", "up"), ("down",)), launch_bytes):  # each launch on its own
+            runs, dev = _cold_launchers(ex, [d], copies)
             us, alone, how = _time_cold(cp, runs)
-            rows.append(_bw_row(f"{tag}  of which {'/'.join(projs)}", part, us, alone, how, None))
+            rows.append(_bw_row(f"{tag}  of which {'/'.join(projs)}", part, us, alone, how, None,
+                                read_ceiling(cp, [part], copies)))
             del runs, dev
     return rows
 

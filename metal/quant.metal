@@ -47,13 +47,13 @@
 //                    256 contiguous bytes of each row per step; a run lies inside one group (gs >= 32).
 //                    Per threadgroup, x[t] is staged in threadgroup memory QMV_XCHUNK floats at a time (16 KiB:
 //                    a 397B hidden vector in one go), as float4s xor-swizzled against bank conflicts, with the
-//                    sum of each run (xsum). In a step a lane first issues all its loads (the runs of its RB
+//                    sum of each run (xsum), behind one barrier (stage_x). In a step a lane first issues all its loads (the runs of its RB
 //                    rows x NP matrices, their scales and biases), then, word by word, reads the word's inputs
 //                    (16 bytes at a time) and adds them times the codes of every row; each row then gets
 //                    scale * dot(q, x) + bias * sum(x). Codes become floats without shifts or conversions
-//                    (qdot_codes). simd_sum folds the 32 lanes; the ksplit partial sums of a row meet in
-//                    threadgroup memory, and thread (b * RB + r) adds them in k order and writes row r of
-//                    block b.
+//                    (qdot_codes). simd_sum folds the 32 lanes; with ksplit = 1 lane r then writes row r (no
+//                    barrier); otherwise the ksplit partial sums of a row meet in threadgroup memory, and thread
+//                    (b * RB + r) adds them in k order and writes row r of block b.
 //                    Vector reads (16 or 8 bytes, a run at once) need every row aligned to its run size: the
 //                    buffer start (the launch builders align host arrays to 16; device buffers are), a
 //                    record's component offset and stride (records: multiples of 64 and of 16 KiB), and the
@@ -111,29 +111,39 @@ METAL_FUNC uint xs_index(uint j) {
 }
 
 // Stage x[c0 .. c0+clen) of one token into threadgroup memory, and the sum of each lane run (R inputs) into
-// xsum[clen / R] (summed float4 by float4, in input order). Every thread of the group calls it; the loop has
-// a compile-time trip count so its loads are all in flight at once.
+// xsum[clen / R]. Thread `tid` stages the 16 consecutive inputs from 16 * tid (QMV_XCHUNK is 16 per thread), 16
+// bytes at a time when `xvec` (the row starts 16-byte aligned) and sums them float4 by float4; a run is one
+// thread's 16 (R = 16) or a pair's 32 (R = 32: the two halves added across the pair with a shuffle). So the
+// chunk needs one barrier after the stores, plus one before them from the second chunk on (the previous
+// chunk's readers). Every thread of the group calls it.
 template <int R>
-METAL_FUNC void stage_x(device const float* xt, uint c0, uint clen, threadgroup float4* xs, threadgroup float* xsum,
-                        uint tid) {
-    threadgroup float* xf = (threadgroup float*)xs;
-    threadgroup_barrier(mem_flags::mem_threadgroup);  // the previous chunk's readers are done
-#pragma clang loop unroll(full)
-    for (uint k = 0; k < QMV_XCHUNK / (32 * QMV_SG); ++k) {
-        const uint i = k * (32 * QMV_SG) + tid;
-        if (i < clen) {
-            xf[xs_index(i >> 2) * 4 + (i & 3u)] = xt[c0 + i];
-        }
+METAL_FUNC void stage_x(device const float* xt, uint c0, uint clen, bool xvec, threadgroup float4* xs,
+                        threadgroup float* xsum, uint tid) {
+    if (c0 != 0u) {  // uniform over the group
+        threadgroup_barrier(mem_flags::mem_threadgroup);
     }
-    threadgroup_barrier(mem_flags::mem_threadgroup);
-    for (uint b = tid; b < clen / R; b += 32 * QMV_SG) {  // clen is a multiple of 32 >= R
-        float s = 0.0f;
+    const uint i = 16u * tid;
+    const bool mine = i < clen;  // clen is a multiple of 32: a thread stages all of its 16 inputs or none
+    float s = 0.0f;
 #pragma clang loop unroll(full)
-        for (uint k = 0; k < R / 4; ++k) {
-            const float4 v = xs[xs_index(b * (R / 4) + k)];
-            s += v.x + v.y + v.z + v.w;
+    for (uint k = 0; k < 4; ++k) {
+        float4 v = float4(0.0f);
+        if (mine) {
+            if (xvec) {
+                v = *((device const float4*)(xt + c0 + i) + k);
+            } else {
+                device const float* p = xt + c0 + i + 4 * k;
+                v = float4(p[0], p[1], p[2], p[3]);
+            }
+            xs[xs_index(4 * tid + k)] = v;
         }
-        xsum[b] = s;
+        s += v.x + v.y + v.z + v.w;
+    }
+    if (R == 32) {
+        s += simd_shuffle_xor(s, ushort(1));  // every lane takes part; pairs (2b, 2b + 1) share a simdgroup
+    }
+    if (mine && (R == 16 || (tid & 1u) == 0u)) {
+        xsum[i / R] = s;
     }
     threadgroup_barrier(mem_flags::mem_threadgroup);
 }
@@ -292,7 +302,8 @@ METAL_FUNC void qstep_sum(thread const qstep<NP, ROWS>& st, threadgroup const fl
 template <int B0, int B1, int NP, bool VEC>
 METAL_FUNC void qmv_tile(device const float* x, qmat m0, qmat m1, device float* y, uint in_dim, uint out_dim,
                          uint gs, uint ksplit, threadgroup float4* xs, threadgroup float* xsum,
-                         threadgroup float* part, uint t, uint tgx, uint sg, uint tid, uint lane) {
+                         threadgroup float* part, uint t, uint tgx, uint sg, uint tid, uint lane,
+                         bool xvec) {
     typedef qrun<B0, B1> RUN;
     const uint R = RUN::R;
     const uint ROWS = QMV_ROWS / NP;   // rows per simdgroup (of each matrix)
@@ -318,11 +329,22 @@ METAL_FUNC void qmv_tile(device const float* x, qmat m0, qmat m1, device float* 
     qstep<NP, ROWS> st;
     for (uint c0 = 0; c0 < in_dim; c0 += QMV_XCHUNK) {
         const uint clen = min((uint)QMV_XCHUNK, in_dim - c0);
-        stage_x<R>(xt, c0, clen, xs, xsum, tid);
+        stage_x<R>(xt, c0, clen, xvec, xs, xsum, tid);
         for (uint i0 = (kp * 32 + lane) * R; i0 < clen; i0 += ksplit * 32 * R) {
             qstep_load<B0, B1, NP, ROWS, VEC>(m0, m1, rw, c0 + i0, gshift, st);
             qstep_sum<B0, B1, NP, ROWS>(st, xs, xsum, i0, z, acc);
         }
+    }
+    if (ksplit == 1u) {  // (uniform) a simdgroup owns its rows: fold the 32 lanes, lane r writes row r
+#pragma clang loop unroll(full)
+        for (uint r = 0; r < ROWS; ++r) {
+            const float v0 = simd_sum(acc[0][r]);
+            const float v1 = NP == 2 ? simd_sum(acc[1][r]) : 0.0f;
+            if (lane == r && row0 + r < out_dim) {
+                y[t * out_dim + row0 + r] = NP == 2 ? v0 / (1.0f + exp(-v0)) * v1 : v0;
+            }
+        }
+        return;
     }
     // fold the 32 lanes, then the ksplit simdgroups of each row block (in k order)
 #pragma clang loop unroll(full)
@@ -358,17 +380,19 @@ METAL_FUNC void qmv_tile(device const float* x, qmat m0, qmat m1, device float* 
 template <int B0, int B1, int NP>
 METAL_FUNC void qmv_core(device const float* x, qmat m0, qmat m1, device float* y, uint in_dim, uint out_dim,
                          uint gs, uint ksplit, threadgroup float4* xs, threadgroup float* xsum,
-                         threadgroup float* part, uint t, uint tgx, uint sg, uint tid, uint lane) {
+                         threadgroup float* part, uint t, uint tgx, uint sg, uint tid, uint lane,
+                         uint x_stride = 0u) {
     const uint run0 = qrun<B0, B1>::R * B0 / 8;  // bytes of a run: 16, 8 (or 4 for the narrower of a pair)
     const uint run1 = qrun<B0, B1>::R * B1 / 8;
     const bool vec0 = ((m0.wbyte | (in_dim * B0 / 8)) & (run0 - 1u)) == 0u;
     const bool vec1 = NP == 1 || ((m1.wbyte | (in_dim * B1 / 8)) & (run1 - 1u)) == 0u;
+    const bool xvec = (x_stride & 3u) == 0u;  // x rows 16-byte aligned (buffers are; in is a multiple of 32)
     if (vec0 && vec1) {  // (mixed-width gate/up pairs, rare, keep word reads: half the code)
         qmv_tile<B0, B1, NP, B0 == B1>(x, m0, m1, y, in_dim, out_dim, gs, ksplit, xs, xsum, part, t, tgx, sg, tid,
-                                       lane);
+                                       lane, xvec);
     } else {
         qmv_tile<B0, B1, NP, false>(x, m0, m1, y, in_dim, out_dim, gs, ksplit, xs, xsum, part, t, tgx, sg, tid,
-                                    lane);
+                                    lane, xvec);
     }
 }
 
@@ -377,26 +401,35 @@ METAL_FUNC void qmv_core(device const float* x, qmat m0, qmat m1, device float* 
 METAL_FUNC void gate_up_any(uint gate_bits, uint up_bits, device const float* x, qmat gate, qmat up, device float* h,
                         uint in_dim, uint out_dim, uint gs, uint ksplit, threadgroup float4* xs,
                         threadgroup float* xsum, threadgroup float* part, uint t, uint tgx, uint sg, uint tid,
-                        uint lane) {
+                        uint lane, uint x_stride = 0u) {
     const uint pair = gate_bits * 16 + up_bits;
     if (pair == 0x22)
-        qmv_core<2, 2, 2>(x, gate, up, h, in_dim, out_dim, gs, ksplit, xs, xsum, part, t, tgx, sg, tid, lane);
+        qmv_core<2, 2, 2>(x, gate, up, h, in_dim, out_dim, gs, ksplit, xs, xsum, part, t, tgx, sg, tid, lane,
+                          x_stride);
     if (pair == 0x24)
-        qmv_core<2, 4, 2>(x, gate, up, h, in_dim, out_dim, gs, ksplit, xs, xsum, part, t, tgx, sg, tid, lane);
+        qmv_core<2, 4, 2>(x, gate, up, h, in_dim, out_dim, gs, ksplit, xs, xsum, part, t, tgx, sg, tid, lane,
+                          x_stride);
     if (pair == 0x28)
-        qmv_core<2, 8, 2>(x, gate, up, h, in_dim, out_dim, gs, ksplit, xs, xsum, part, t, tgx, sg, tid, lane);
+        qmv_core<2, 8, 2>(x, gate, up, h, in_dim, out_dim, gs, ksplit, xs, xsum, part, t, tgx, sg, tid, lane,
+                          x_stride);
     if (pair == 0x42)
-        qmv_core<4, 2, 2>(x, gate, up, h, in_dim, out_dim, gs, ksplit, xs, xsum, part, t, tgx, sg, tid, lane);
+        qmv_core<4, 2, 2>(x, gate, up, h, in_dim, out_dim, gs, ksplit, xs, xsum, part, t, tgx, sg, tid, lane,
+                          x_stride);
     if (pair == 0x44)
-        qmv_core<4, 4, 2>(x, gate, up, h, in_dim, out_dim, gs, ksplit, xs, xsum, part, t, tgx, sg, tid, lane);
+        qmv_core<4, 4, 2>(x, gate, up, h, in_dim, out_dim, gs, ksplit, xs, xsum, part, t, tgx, sg, tid, lane,
+                          x_stride);
     if (pair == 0x48)
-        qmv_core<4, 8, 2>(x, gate, up, h, in_dim, out_dim, gs, ksplit, xs, xsum, part, t, tgx, sg, tid, lane);
+        qmv_core<4, 8, 2>(x, gate, up, h, in_dim, out_dim, gs, ksplit, xs, xsum, part, t, tgx, sg, tid, lane,
+                          x_stride);
     if (pair == 0x82)
-        qmv_core<8, 2, 2>(x, gate, up, h, in_dim, out_dim, gs, ksplit, xs, xsum, part, t, tgx, sg, tid, lane);
+        qmv_core<8, 2, 2>(x, gate, up, h, in_dim, out_dim, gs, ksplit, xs, xsum, part, t, tgx, sg, tid, lane,
+                          x_stride);
     if (pair == 0x84)
-        qmv_core<8, 4, 2>(x, gate, up, h, in_dim, out_dim, gs, ksplit, xs, xsum, part, t, tgx, sg, tid, lane);
+        qmv_core<8, 4, 2>(x, gate, up, h, in_dim, out_dim, gs, ksplit, xs, xsum, part, t, tgx, sg, tid, lane,
+                          x_stride);
     if (pair == 0x88)
-        qmv_core<8, 8, 2>(x, gate, up, h, in_dim, out_dim, gs, ksplit, xs, xsum, part, t, tgx, sg, tid, lane);
+        qmv_core<8, 8, 2>(x, gate, up, h, in_dim, out_dim, gs, ksplit, xs, xsum, part, t, tgx, sg, tid, lane,
+                          x_stride);
 }
 
 // ------------------------------------------------------------------------------------------- qmv
@@ -472,7 +505,7 @@ kernel void qmv_rec_b2(device const float* x [[buffer(0)]], device const uchar* 
     const qmat m = {(device const uint*)(r + w_off), (device const bfloat*)(r + s_off),
                     (device const bfloat*)(r + b_off), tg.z * rec_stride + w_off};
     qmv_core<2, 2, 1>(x + tg.z * x_stride, m, m, y + y_off + tg.z * y_stride, in_dim, out_dim, group_size,
-                       ksplit, xs, xsum, part, tg.y, tg.x, sg, tid, lane);
+                       ksplit, xs, xsum, part, tg.y, tg.x, sg, tid, lane, x_stride);
 }
 
 kernel void qmv_rec_b4(device const float* x [[buffer(0)]], device const uchar* rec [[buffer(1)]],
@@ -492,7 +525,7 @@ kernel void qmv_rec_b4(device const float* x [[buffer(0)]], device const uchar* 
     const qmat m = {(device const uint*)(r + w_off), (device const bfloat*)(r + s_off),
                     (device const bfloat*)(r + b_off), tg.z * rec_stride + w_off};
     qmv_core<4, 4, 1>(x + tg.z * x_stride, m, m, y + y_off + tg.z * y_stride, in_dim, out_dim, group_size,
-                       ksplit, xs, xsum, part, tg.y, tg.x, sg, tid, lane);
+                       ksplit, xs, xsum, part, tg.y, tg.x, sg, tid, lane, x_stride);
 }
 
 kernel void qmv_rec_b8(device const float* x [[buffer(0)]], device const uchar* rec [[buffer(1)]],
@@ -512,7 +545,7 @@ kernel void qmv_rec_b8(device const float* x [[buffer(0)]], device const uchar* 
     const qmat m = {(device const uint*)(r + w_off), (device const bfloat*)(r + s_off),
                     (device const bfloat*)(r + b_off), tg.z * rec_stride + w_off};
     qmv_core<8, 8, 1>(x + tg.z * x_stride, m, m, y + y_off + tg.z * y_stride, in_dim, out_dim, group_size,
-                       ksplit, xs, xsum, part, tg.y, tg.x, sg, tid, lane);
+                       ksplit, xs, xsum, part, tg.y, tg.x, sg, tid, lane, x_stride);
 }
 
 // ------------------------------------------------------------------------------------------- gate/up + SwiGLU
@@ -564,7 +597,7 @@ kernel void gate_up_swiglu_rec(device const float* x [[buffer(0)]], device const
     const qmat up = {(device const uint*)(r + uw_off), (device const bfloat*)(r + us_off),
                      (device const bfloat*)(r + ub_off), tg.z * rec_stride + uw_off};
     gate_up_any(gate_bits, up_bits, x + tg.z * x_stride, gate, up, h + tg.z * h_stride, in_dim, out_dim,
-                group_size, ksplit, xs, xsum, part, tg.y, tg.x, sg, tid, lane);
+                group_size, ksplit, xs, xsum, part, tg.y, tg.x, sg, tid, lane, x_stride);
 }
 
 // gate_up_swiglu_rec_bN: gate_up_swiglu_rec for gate and up both N-bit (buffers as above; 12 and 13 must be N),
@@ -583,7 +616,7 @@ METAL_FUNC void gate_up_rec_uniform(device const float* x, device const uchar* r
     const qmat up = {(device const uint*)(r + uw_off), (device const bfloat*)(r + us_off),
                      (device const bfloat*)(r + ub_off), tg.z * rec_stride + uw_off};
     qmv_core<B, B, 2>(x + tg.z * x_stride, gate, up, h + tg.z * h_stride, in_dim, out_dim, group_size, ksplit, xs,
-                      xsum, part, tg.y, tg.x, sg, tid, lane);
+                      xsum, part, tg.y, tg.x, sg, tid, lane, x_stride);
 }
 
 kernel void gate_up_swiglu_rec_b2(device const float* x [[buffer(0)]], device const uchar* rec [[buffer(1)]],
