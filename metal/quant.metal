@@ -307,9 +307,12 @@ METAL_FUNC void qmv_tile(device const float* x, qmat m0, qmat m1, device float* 
     typedef qrun<B0, B1> RUN;
     const uint R = RUN::R;
     const uint ROWS = QMV_ROWS / NP;   // rows per simdgroup (of each matrix)
-    const uint nrb = QMV_SG / ksplit;  // row blocks per threadgroup
-    const uint rb = sg % nrb;          // row block of this simdgroup
-    const uint kp = sg / nrb;          // its share of the input steps
+    // ksplit is 1, 2, 4 or 8 (QMV_SG): shifts, not divisions by a runtime value (tens of instructions each)
+    const uint kshift = uint(ksplit > 1u) + uint(ksplit > 2u) + uint(ksplit > 4u);
+    const uint nrb = uint(QMV_SG) >> kshift;  // row blocks per threadgroup
+    const uint rb = sg & (nrb - 1u);          // row block of this simdgroup
+    static_assert(QMV_SG == 8, "kp below takes QMV_SG = 1 << 3");
+    const uint kp = sg >> (3u - kshift);      // its share of the input steps
     const uint row0 = (tgx * nrb + rb) * ROWS;
     const uint gshift = gs == 32 ? 5u : (gs == 64 ? 6u : 7u);  // gs is 32, 64 or 128
     const uint ng = in_dim >> gshift;                            // groups per row
