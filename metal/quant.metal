@@ -124,20 +124,31 @@ METAL_FUNC void stage_x(device const float* xt, uint c0, uint clen, bool xvec, t
     }
     const uint i = 16u * tid;
     const bool mine = i < clen;  // clen is a multiple of 32: a thread stages all of its 16 inputs or none
+    // all four loads first, then the stores: a store right after its load would wait out each load in turn
+    float4 v[4];
+#pragma clang loop unroll(full)
+    for (uint k = 0; k < 4; ++k) {
+        v[k] = float4(0.0f);
+    }
+    if (mine && xvec) {
+#pragma clang loop unroll(full)
+        for (uint k = 0; k < 4; ++k) {
+            v[k] = *((device const float4*)(xt + c0 + i) + k);
+        }
+    } else if (mine) {
+#pragma clang loop unroll(full)
+        for (uint k = 0; k < 4; ++k) {
+            device const float* p = xt + c0 + i + 4 * k;
+            v[k] = float4(p[0], p[1], p[2], p[3]);
+        }
+    }
     float s = 0.0f;
 #pragma clang loop unroll(full)
     for (uint k = 0; k < 4; ++k) {
-        float4 v = float4(0.0f);
         if (mine) {
-            if (xvec) {
-                v = *((device const float4*)(xt + c0 + i) + k);
-            } else {
-                device const float* p = xt + c0 + i + 4 * k;
-                v = float4(p[0], p[1], p[2], p[3]);
-            }
-            xs[xs_index(4 * tid + k)] = v;
+            xs[xs_index(4 * tid + k)] = v[k];
         }
-        s += v.x + v.y + v.z + v.w;
+        s += v[k].x + v[k].y + v[k].z + v[k].w;
     }
     if (R == 32) {
         s += simd_shuffle_xor(s, ushort(1));  // every lane takes part; pairs (2b, 2b + 1) share a simdgroup
