@@ -51,9 +51,10 @@
 //                    rows x NP matrices, their scales and biases), then, word by word, reads the word's inputs
 //                    (16 bytes at a time) and adds them times the codes of every row; each row then gets
 //                    scale * dot(q, x) + bias * sum(x). Codes become floats without shifts or conversions
-//                    (qdot_codes). simd_sum folds the 32 lanes; with ksplit = 1 lane r then writes row r (no
-//                    barrier); otherwise the ksplit partial sums of a row meet in threadgroup memory, and thread
-//                    (b * RB + r) adds them in k order and writes row r of block b.
+//                    (qdot_codes). With ksplit = 1 a simdgroup folds its 4 row sums over the 32 lanes at once
+//                    (simd_sum4) and writes its rows (no barrier); otherwise simd_sum folds each, the ksplit
+//                    partial sums of a row meet in threadgroup memory, and thread (b * RB + r) adds them in k
+//                    order and writes row r of block b.
 //                    Vector reads (16 or 8 bytes, a run at once) need every row aligned to its run size: the
 //                    buffer start (the launch builders align host arrays to 16; device buffers are), a
 //                    record's component offset and stride (records: multiples of 64 and of 16 KiB), and the
@@ -157,6 +158,21 @@ METAL_FUNC void stage_x(device const float* xt, uint c0, uint clen, bool xvec, t
         xsum[i / R] = s;
     }
     threadgroup_barrier(mem_flags::mem_threadgroup);
+}
+
+// The sums over the simdgroup of four values per lane: lane l gets the sum of value 2 * (l >> 4 & 1) + (l >> 3 & 1)
+// (lanes 0..7 a0, 8..15 a1, 16..23 a2, 24..31 a3): a butterfly that halves the values it carries while the
+// first two strides fold, 6 shuffles instead of 4 simd_sums' 20.
+METAL_FUNC float simd_sum4(float a0, float a1, float a2, float a3, uint lane) {
+    const bool h16 = (lane & 16u) != 0u;
+    const float b0 = (h16 ? a2 : a0) + simd_shuffle_xor(h16 ? a0 : a2, ushort(16));
+    const float b1 = (h16 ? a3 : a1) + simd_shuffle_xor(h16 ? a1 : a3, ushort(16));
+    const bool h8 = (lane & 8u) != 0u;
+    float c = (h8 ? b1 : b0) + simd_shuffle_xor(h8 ? b0 : b1, ushort(8));
+    c += simd_shuffle_xor(c, ushort(4));
+    c += simd_shuffle_xor(c, ushort(2));
+    c += simd_shuffle_xor(c, ushort(1));
+    return c;
 }
 
 // N staged inputs from i0 (a multiple of 4) into registers, 16 bytes at a time.
@@ -349,7 +365,18 @@ METAL_FUNC void qmv_tile(device const float* x, qmat m0, qmat m1, device float* 
             qstep_sum<B0, B1, NP, ROWS>(st, xs, xsum, i0, z, acc);
         }
     }
-    if (ksplit == 1u) {  // (uniform) a simdgroup owns its rows: fold the 32 lanes, lane r writes row r
+    if (ksplit == 1u && QMV_ROWS == 4) {  // (uniform) a simdgroup owns its rows: fold its 4 sums at once
+        // NP = 1: rows 0..3; NP = 2: gate rows 0, 1, then up rows 0, 1 (indices mod ROWS keep both compiling)
+        const float c = simd_sum4(acc[0][0], acc[0][1 % ROWS], NP == 2 ? acc[1][0] : acc[0][2 % ROWS],
+                                  NP == 2 ? acc[1][1 % ROWS] : acc[0][3 % ROWS], lane);
+        const float u = NP == 2 ? simd_shuffle_xor(c, ushort(16)) : 0.0f;  // lanes 0..15: their row's up sum
+        const uint r = lane >> 3;
+        if ((lane & 7u) == 0u && r < ROWS && row0 + r < out_dim) {
+            y[t * out_dim + row0 + r] = NP == 2 ? c / (1.0f + exp(-c)) * u : c;
+        }
+        return;
+    }
+    if (ksplit == 1u) {  // (uniform) as above, one row at a time: lane r writes row r
 #pragma clang loop unroll(full)
         for (uint r = 0; r < ROWS; ++r) {
             const float v0 = simd_sum(acc[0][r]);
