@@ -40,7 +40,8 @@
 //                    (gx, t, z) works on rows (gx * NRB + s % NRB) * RB .. +RB-1 of token t, over input steps
 //                    s / NRB, + ksplit, ... The launch builder picks ksplit so that a small dispatch (one
 //                    expert's 1024 rows) still spreads over enough threadgroups to keep the GPU's loads in
-//                    flight, and a large one (a batch of experts, lm_head) keeps ksplit = 1.
+//                    flight, and a large one (a batch of experts, lm_head) keeps ksplit = 1, as do rows that
+//                    are a single step (in <= 32 * R, e.g. a 4-bit down projection: no step to share).
 //                    A step is 32 lane runs of R consecutive inputs (bits: the wider of the two matrices'):
 //                    16 bytes of codes per lane and row at 4 and 8 bits (32, 16 inputs), 8 bytes at 2 bits (32
 //                    inputs, so a 1024-wide 2-bit row still fills the 32 lanes), so a simdgroup reads 512 or

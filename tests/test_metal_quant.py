@@ -116,6 +116,12 @@ def test_ksplit_spreads_small_dispatches_and_keeps_large_ones_whole():
     assert OQ.choose_ksplit(1024, 4096, experts=10) == 1  # a batch of 10 experts: 320 groups unsplit
     assert OQ.choose_ksplit(4096, 4096) == 2 and OQ.choose_ksplit(65536, 4096) == 1
     assert OQ.choose_ksplit(64, 128) == 1  # tiny: not worth 8x the emulated threads
+    # rows that are one step of the 32 lanes (a 4-bit 1024-wide down projection) have no step to share ...
+    assert [OQ.lane_run(b) for b in (2, 4, 8)] == [32, 32, 16]
+    assert OQ.choose_ksplit(4096, 1024, bits=4) == 1 and OQ.choose_ksplit(4096, 1024, bits=2) == 1
+    # ... 8-bit ones of that width take two steps, and split as before
+    assert OQ.choose_ksplit(4096, 1024, bits=8) == 2 == OQ.choose_ksplit(4096, 1024)
+    assert OQ.choose_ksplit(1024, 4096, bits=4) == 8
     for out_dim, in_dim, T, E in [(1024, 4096, 1, 1), (4096, 1024, 1, 1), (512, 4096, 3, 1), (1024, 4096, 1, 10)]:
         ks = OQ.choose_ksplit(out_dim, in_dim, T, E)
         groups = -(-out_dim // OQ.rows_per_group(ks)) * T * E

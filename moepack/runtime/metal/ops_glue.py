@@ -237,7 +237,7 @@ def embed_rows(executor: Executor, ids, table, dtype: str) -> np.ndarray:
 def dev_qmv(x, w, scales, biases, y, bits: int, group_size: int, in_dim: int, out_dim: int, tokens: int = 1,
             y_off: int = 0) -> list[Dispatch]:
     """quant.metal qmv_b{bits}: y[t, y_off + o] (rows of out_dim) = x[t] . dequant(W)[o]."""
-    grid, tg, ks = ops_quant.qmv_geometry(out_dim, in_dim, tokens, 1)
+    grid, tg, ks = ops_quant.qmv_geometry(out_dim, in_dim, tokens, 1, bits=bits)
     args = {0: x, 1: w, 2: scales, 3: biases, 4: y, 5: int(in_dim), 6: int(out_dim), 7: int(group_size),
             8: int(y_off), 9: ks}
     return [Dispatch(ops_quant.SOURCE, f"qmv_b{bits}", args, grid, tg, label=f"qmv {out_dim}x{in_dim} q{bits}")]
@@ -245,7 +245,7 @@ def dev_qmv(x, w, scales, biases, y, bits: int, group_size: int, in_dim: int, ou
 
 def dev_gate_up(x, gate, up, h, in_dim: int, out_dim: int, tokens: int = 1) -> list[Dispatch]:
     """quant.metal gate_up_swiglu: h = silu(x @ gate^T) * (x @ up^T) for two QLinears of one group size."""
-    grid, tg, ks = ops_quant.qmv_geometry(out_dim, in_dim, tokens, matrices=2)
+    grid, tg, ks = ops_quant.qmv_geometry(out_dim, in_dim, tokens, matrices=2, bits=max(gate.bits, up.bits))
     args = {0: x, 1: gate.w, 2: gate.scales, 3: gate.biases, 4: up.w, 5: up.scales, 6: up.biases, 7: h,
             8: int(in_dim), 9: int(out_dim), 10: int(gate.group_size), 11: int(gate.bits), 12: int(up.bits), 13: ks}
     return [Dispatch(ops_quant.SOURCE, "gate_up_swiglu", args, grid, tg, label=f"gate_up {out_dim}x{in_dim}")]
@@ -259,10 +259,10 @@ def dev_experts(x, block: np.ndarray, layout, h, y) -> list[Dispatch]:
     gw, gsc, gbi, g_bits, gs, I, D = ops_quant._proj(layout, "gate")
     uw, usc, ubi, u_bits, _, _, _ = ops_quant._proj(layout, "up")
     dw, dsc, dbi, d_bits, d_gs, D_out, I_in = ops_quant._proj(layout, "down")
-    grid, tg, ks = ops_quant.qmv_geometry(I, D, 1, n, matrices=2)
+    grid, tg, ks = ops_quant.qmv_geometry(I, D, 1, n, matrices=2, bits=max(g_bits, u_bits))
     first = {0: x, 1: flat, 2: gw.offset, 3: gsc.offset, 4: gbi.offset, 5: uw.offset, 6: usc.offset, 7: ubi.offset,
              8: h, 9: D, 10: I, 11: gs, 12: g_bits, 13: u_bits, 14: stride, 15: 0, 16: I, 17: ks}
-    grid2, tg2, ks2 = ops_quant.qmv_geometry(D_out, I_in, 1, n)
+    grid2, tg2, ks2 = ops_quant.qmv_geometry(D_out, I_in, 1, n, bits=d_bits)
     down = {0: h, 1: flat, 2: dw.offset, 3: dsc.offset, 4: dbi.offset, 5: y, 6: I_in, 7: D_out, 8: d_gs, 9: 0,
             10: stride, 11: I_in, 12: D_out, 13: ks2}
     return [Dispatch(ops_quant.SOURCE, ops_quant.gate_up_record_kernel(g_bits, u_bits), first, grid, tg,
