@@ -48,14 +48,14 @@
 //                    256 contiguous bytes of each row per step; a run lies inside one group (gs >= 32).
 //                    Per threadgroup, x[t] is staged in threadgroup memory QMV_XCHUNK floats at a time (16 KiB:
 //                    a 397B hidden vector in one go), as float4s xor-swizzled against bank conflicts, with the
-//                    sum of each run (xsum), behind one barrier (stage_x). In a step a lane first issues all its loads (the runs of its RB
-//                    rows x NP matrices, their scales and biases), then, word by word, reads the word's inputs
-//                    (16 bytes at a time) and adds them times the codes of every row; each row then gets
-//                    scale * dot(q, x) + bias * sum(x). Codes become floats without shifts or conversions
-//                    (qdot_codes). With ksplit = 1 a simdgroup folds its 4 row sums over the 32 lanes at once
-//                    (simd_sum4) and writes its rows (no barrier); otherwise simd_sum folds each, the ksplit
-//                    partial sums of a row meet in threadgroup memory, and thread (b * RB + r) adds them in k
-//                    order and writes row r of block b.
+//                    sum of each run (xsum), behind one barrier (stage_x). In a step a lane first issues all its
+//                    loads (the runs of its RB rows x NP matrices, their scales and biases), then, word by word,
+//                    reads the word's inputs (16 bytes at a time) and adds them times the codes of every row;
+//                    each row then gets scale * dot(q, x) + bias * sum(x). Codes become floats without shifts
+//                    or conversions (qdot_codes). With ksplit = 1 a simdgroup folds its 4 row sums over the 32
+//                    lanes at once (simd_sum4) and writes its rows (no barrier); otherwise simd_sum folds each,
+//                    the ksplit partial sums of a row meet in threadgroup memory, and thread (b * RB + r) adds
+//                    them in k order and writes row r of block b.
 //                    Vector reads (16 or 8 bytes, a run at once) need every row aligned to its run size: the
 //                    buffer start (the launch builders align host arrays to 16; device buffers are), a
 //                    record's component offset and stride (records: multiples of 64 and of 16 KiB), and the
@@ -161,9 +161,9 @@ METAL_FUNC void stage_x(device const float* xt, uint c0, uint clen, bool xvec, t
     threadgroup_barrier(mem_flags::mem_threadgroup);
 }
 
-// The sums over the simdgroup of four values per lane: lane l gets the sum of value 2 * (l >> 4 & 1) + (l >> 3 & 1)
-// (lanes 0..7 a0, 8..15 a1, 16..23 a2, 24..31 a3): a butterfly that halves the values it carries while the
-// first two strides fold, 6 shuffles instead of 4 simd_sums' 20.
+// The sums over the simdgroup of four values per lane: lane l gets the sum of value
+// 2 * (l >> 4 & 1) + (l >> 3 & 1) (lanes 0..7 a0, 8..15 a1, 16..23 a2, 24..31 a3): a butterfly that halves the
+// values it carries while the first two strides fold, 6 shuffles instead of 4 simd_sums' 20.
 METAL_FUNC float simd_sum4(float a0, float a1, float a2, float a3, uint lane) {
     const bool h16 = (lane & 16u) != 0u;
     const float b0 = (h16 ? a2 : a0) + simd_shuffle_xor(h16 ? a0 : a2, ushort(16));
