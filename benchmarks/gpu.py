@@ -13,7 +13,8 @@ Needs cupy and a GPU; without clang-19 set MOEPACK_PTX_BUNDLE to a folder writte
 `python -m moepack.runtime.metal.executor_cuda export DIR`.
 
     python benchmarks/gpu.py [--json FILE] [--only selftest,parity,kernels,resident]
-    python benchmarks/gpu.py --only bandwidth   # dequant-matvec GB/s vs HBM peak at 397B shapes, L2-cold
+    python benchmarks/gpu.py --only bandwidth   # dequant-matvec GB/s vs HBM peak at 397B shapes, L2-cold,
+                                                # and vs a plain read of the same bytes in the same launches
 """
 
 from __future__ import annotations
