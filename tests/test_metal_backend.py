@@ -21,6 +21,7 @@ from moepack.convert import convert
 from moepack.errors import MoepackError
 from moepack.runtime.model import load_model
 from moepack.testing.fixtures import write_mlx_checkpoint
+from moepack.testing.parity import greedy_logits
 
 if shutil.which("clang-19") is None and shutil.which("clang-20") is None:
     pytest.skip("clang-19 is needed to compile the .metal kernels (apt-get install -y clang-19)",
@@ -44,16 +45,8 @@ def packed(tmp_path_factory):
 
 
 def _run(path, backend, n_decode=2):
-    """Logits of the prompt's prefill and `n_decode` greedy steps, and the greedy tokens."""
-    with load_model(path, backend=backend) as m:
-        cache = m.new_cache()
-        logits = [m.forward(PROMPT, cache)]
-        toks = []
-        for _ in range(n_decode):
-            toks.append(int(logits[-1][-1].argmax()))
-            logits.append(m.forward(np.array([toks[-1]]), cache))
-        gk = m.K
-    return logits, toks, gk
+    """Logits of the prompt's prefill and `n_decode` greedy steps, the greedy tokens, the kernel module."""
+    return greedy_logits(path, backend, PROMPT, n_decode)
 
 
 @pytest.mark.parametrize("arch,bits", [("qwen3_5_moe", 4), ("qwen3_5_moe", 2), ("qwen3_next", 4), ("qwen3_moe", 4)])

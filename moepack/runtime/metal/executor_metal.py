@@ -5,13 +5,17 @@ run time) and builds one compute pipeline per kernel. A dispatch list is encoded
 (one compute encoder, dispatches in order, Metal's default serial encoder keeps them ordered), committed,
 and waited for.
 
+Kernels are compiled with IEEE float semantics (fast math off), as on the other two executors.
+
 Buffers: an array whose memory is page-aligned and a whole number of pages long (the expert reader's
 2 MiB-aligned record buffers) is wrapped without a copy (``newBufferWithBytesNoCopy``), so a pread lands
-directly in GPU-visible memory; the wrapper is cached by address. Any other array is copied into a shared
-buffer, and copied back after the command buffer completes when the kernel may write it (non-const
-``device`` pointer). ``constant T&`` parameters go through ``setBytes``. ``DeviceBuffer`` arguments
-(``alloc``: persistent MTLBuffers in shared storage, the resident decode step's state) are bound at their
-offset with no copy; ``upload``/``download`` copy through the buffer's CPU-visible contents.
+directly in GPU-visible memory; the wrapper is cached by address. That PyObjC passes the array's own memory
+is checked once at start (``nocopy_in_place``, in the selftest report); where it does not, arrays are copied.
+Any other array is copied into a shared buffer, and copied back after the command buffer completes when the
+kernel may write it (non-const ``device`` pointer). ``constant T&`` parameters go through ``setBytes``.
+``DeviceBuffer`` arguments (``alloc``: persistent MTLBuffers in shared storage, the resident decode step's
+state) are bound at their offset with no copy; ``upload``/``download`` copy through the buffer's CPU-visible
+contents.
 
 This module is the one part of the Metal backend no Linux machine executes; ``moepack selftest`` on a
 Mac compiles every kernel with Apple's compiler and checks each against the numpy reference.
@@ -65,6 +69,34 @@ class MetalExecutor:
         self._libraries: dict[str, object] = {}
         self._nocopy: dict[tuple[int, int], object] = {}  # (address, nbytes) -> MTLBuffer wrapping it
         self._readonly: dict[tuple[int, int, str], object] = {}  # read-only host arrays copied to the GPU once
+        self.nocopy_in_place = self._probe_nocopy()
+
+    def _probe_nocopy(self) -> bool:
+        """Whether newBufferWithBytesNoCopy wraps a numpy array's own memory here (PyObjC hands Metal the
+        array's pointer rather than a temporary copy): checked once on a page of our own, by the buffer's
+        contents address and by a write through the array read back through the buffer. If not, every array
+        is copied (correct, slower) and describe() says so."""
+        raw = np.zeros(2 * _PAGE, dtype=np.uint8)
+        start = (-raw.ctypes.data) % _PAGE
+        page = raw[start : start + _PAGE]
+        try:
+            buf = self.device.newBufferWithBytesNoCopy_length_options_deallocator_(
+                page, _PAGE, self._M.MTLResourceStorageModeShared, None)
+        except (TypeError, ValueError, BufferError):
+            return False
+        if buf is None:
+            return False
+        seen = np.frombuffer(buf.contents().as_buffer(_PAGE), dtype=np.uint8)
+        page[:] = 0x5A
+        return bool(seen.ctypes.data == page.ctypes.data and np.all(seen == 0x5A))
+
+    def describe(self) -> dict:
+        """What `moepack selftest` reports about this Mac's GPU."""
+        d = self.device
+        return {"device": str(d.name()), "unified_memory": bool(d.hasUnifiedMemory()),
+                "max_threads_per_threadgroup": int(d.maxThreadsPerThreadgroup().width),
+                "recommended_working_set_GB": round(d.recommendedMaxWorkingSetSize() / 1e9, 1),
+                "nocopy_in_place": self.nocopy_in_place}
 
     # ------------------------------------------------------------------------------------------ compile
     def library(self, source: str):
@@ -72,7 +104,13 @@ class MetalExecutor:
         if lib is None:
             path, text = read_source(source)
             opts = self._M.MTLCompileOptions.alloc().init()
-            opts.setFastMathEnabled_(True)
+            # IEEE float semantics, as the emulator and the PTX path compile them (clang without fast math) and
+            # as MLX compiles its own run-time kernels: the kernels mask with -inf, rely on exp overflowing to
+            # inf, and turn codes into floats by an exact subtraction; Metal's default is fast math.
+            if hasattr(opts, "setMathMode_") and hasattr(self._M, "MTLMathModeSafe"):  # macOS 15 and later
+                opts.setMathMode_(self._M.MTLMathModeSafe)
+            else:
+                opts.setFastMathEnabled_(False)
             lib, err = self.device.newLibraryWithSource_options_error_(text, opts, None)
             if lib is None:
                 raise KernelError(f"Apple's Metal compiler rejected {path.name}: {err}",
@@ -98,7 +136,7 @@ class MetalExecutor:
     def _buffer(self, a: np.ndarray):
         """(MTLBuffer, copied) for a C-contiguous array."""
         addr, n = a.ctypes.data, a.nbytes
-        if n and addr % _PAGE == 0 and n % _PAGE == 0:
+        if self.nocopy_in_place and n and addr % _PAGE == 0 and n % _PAGE == 0:
             buf = self._nocopy.get((addr, n))
             if buf is None:
                 try:  # a read-only array (a record used in place from a read-only mapping) may be refused

@@ -206,7 +206,10 @@ def environment(executor: Executor) -> dict:
             env["device"] = str(dev)
     describe = getattr(executor, "describe", None)
     if callable(describe):
-        env.update(describe())
+        try:  # the report is what a first user pastes into an issue: it must come out even if this fails
+            env.update(describe())
+        except Exception as e:  # noqa: BLE001
+            env["describe_error"] = f"{type(e).__name__}: {e}"
     return env
 
 
