@@ -150,13 +150,15 @@ class MetalExecutor:
                     self._nocopy[(addr, n)] = buf
             if buf is not None:
                 return buf, False
+        src = a if n else bytes(4)  # (PyObjC checks the source holds `length` bytes; Metal wants length > 0)
         if not a.flags.writeable:  # the memory-mapped dense weights: copied once, kept (as executor_cuda does)
             buf = self._readonly.get((addr, n, a.dtype.str))
             if buf is None:
                 buf = self._readonly[(addr, n, a.dtype.str)] = self.device.newBufferWithBytes_length_options_(
-                    a, max(n, 4), self._M.MTLResourceStorageModeShared)
+                    src, max(n, 4), self._M.MTLResourceStorageModeShared)
             return buf, False
-        return self.device.newBufferWithBytes_length_options_(a, max(n, 4), self._M.MTLResourceStorageModeShared), True
+        buf = self.device.newBufferWithBytes_length_options_(src, max(n, 4), self._M.MTLResourceStorageModeShared)
+        return buf, True
 
     # ------------------------------------------------------------------------------------------ persistent buffers
     def alloc(self, shape, dtype) -> DeviceBuffer:
