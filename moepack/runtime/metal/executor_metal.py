@@ -23,6 +23,7 @@ Mac compiles every kernel with Apple's compiler and checks each against the nump
 
 from __future__ import annotations
 
+import platform
 import sys
 from typing import Sequence
 
@@ -40,6 +41,9 @@ def available() -> tuple[bool, str]:
     """(usable, why not) without raising."""
     if sys.platform != "darwin":
         return False, "the metal backend needs macOS (use --backend metal-emu to run the same kernels here)"
+    release = platform.mac_ver()[0]
+    if release and int(release.split(".")[0]) < 14:
+        return False, f"the kernels use bfloat (Metal 3.1): macOS 14 or later, this is macOS {release}"
     try:
         import Metal  # noqa: F401
     except ImportError:
