@@ -165,6 +165,28 @@ def test_selftest_reports_a_broken_kernel(monkeypatch):
     assert res["attention"].ok
 
 
+def test_selftest_environment_carries_the_executors_description():
+    # what a first Mac user pastes into an issue: the executor's own description (the Metal one reports the
+    # GPU, unified memory, whether no-copy buffers wrap in place), and still a report if describing fails
+    from moepack.runtime.metal.selftest import environment
+
+    class Described:
+        name = "described"
+
+        def describe(self):
+            return {"nocopy_in_place": True}
+
+    class Broken:
+        name = "broken"
+
+        def describe(self):
+            raise RuntimeError("no GPU name")
+
+    assert environment(Described())["nocopy_in_place"] is True
+    env = environment(Broken())
+    assert env["executor"] == "broken" and env["describe_error"] == "RuntimeError: no GPU name"
+
+
 def test_selftest_plan_cli(packed):
     r = _cli("selftest", "--plan", str(packed[("qwen3_moe", 4)]), "--json")
     assert r.returncode == 0, r.stderr

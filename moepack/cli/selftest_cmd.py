@@ -68,6 +68,10 @@ def selftest_cmd(backend, seed, plan_of, as_json):
         env = rep["environment"]
         click.echo(f"moepack {env['moepack']} selftest on {env['executor']}"
                    + (f" ({env['device']})" if env.get("device") else "") + f", {env['platform']}")
+        extra = {k: v for k, v in env.items()
+                 if k not in ("moepack", "executor", "device", "platform", "python", "machine")}
+        if extra:  # what the executor reports of the machine (on a Mac: unified memory, no-copy buffers, ...)
+            click.echo("  " + ", ".join(f"{k} {v}" for k, v in extra.items()))
         click.echo(f"{'case':<22}{'shapes':<26}{'max rel err':>12}{'tol':>9}{'s':>7}  result")
         for r in results:
             err = "-" if r.max_rel_err is None else f"{r.max_rel_err:.2e}"
