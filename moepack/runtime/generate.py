@@ -29,6 +29,7 @@ from typing import Callable
 import numpy as np
 
 from ..errors import MoepackError
+from .residency import proc_kib_field
 from .sampling import check_sampling, make_sampler
 from .session import Session, open_session
 
@@ -53,13 +54,9 @@ class Generation:
 
 def peak_rss_bytes() -> int:
     """Peak resident memory of this process: VmHWM on Linux, ru_maxrss elsewhere."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
+    hwm = proc_kib_field("/proc/self/status", "VmHWM")
+    if hwm is not None:
+        return hwm
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return rss if sys.platform == "darwin" else rss * 1024  # macOS reports bytes, Linux/BSD KiB
 

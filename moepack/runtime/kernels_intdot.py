@@ -152,30 +152,28 @@ def _pairs(b, p, n):
     return b.add(ev, od)
 
 
+def _avx2_chunks(b, name, out_ty, in_ty, width, a, x, n):
+    """The AVX2 pairwise multiply-add `name` (width input lanes -> width / 2 output lanes) over the width-lane
+    chunks of a and x, the chunks' results added (where n > width: the lanes all belong to one group)."""
+    fn = b.module.declare_intrinsic(name, fnty=ir.FunctionType(_vty(out_ty, width // 2), [_vty(in_ty, width)] * 2))
+    r = None
+    for c in range(0, n, width):
+        p = b.call(fn, [_sel(b, a, c, width), _sel(b, x, c, width)])
+        r = p if r is None else b.add(r, p)
+    return r
+
+
 def _madd_wd(b, a, x, n):
-    """n int16 x n int16 -> int32 sums of adjacent products (vpmaddwd). Where n > 16 (one group per block),
-    the 16-lane chunks are added: the lanes all belong to one group."""
+    """n int16 x n int16 -> int32 sums of adjacent products (vpmaddwd)."""
     if X86_AVX2 and n % 16 == 0:
-        fnty = ir.FunctionType(_vty(_I32, 8), [_vty(_I16, 16)] * 2)
-        fn = b.module.declare_intrinsic("llvm.x86.avx2.pmadd.wd", fnty=fnty)
-        r = None
-        for c in range(0, n, 16):
-            p = b.call(fn, [_sel(b, a, c, 16), _sel(b, x, c, 16)])
-            r = p if r is None else b.add(r, p)
-        return r
+        return _avx2_chunks(b, "llvm.x86.avx2.pmadd.wd", _I32, _I16, 16, a, x, n)
     return _pairs(b, b.mul(b.sext(a, _vty(_I32, n)), b.sext(x, _vty(_I32, n))), n)
 
 
 def _madd_ubs(b, u, s, n):
     """n uint8 x n int8 -> int16 sums of adjacent products (vpmaddubsw; codes < 16 cannot saturate)."""
     if X86_AVX2 and n % 32 == 0:
-        fnty = ir.FunctionType(_vty(_I16, 16), [_vty(_I8, 32)] * 2)
-        fn = b.module.declare_intrinsic("llvm.x86.avx2.pmadd.ub.sw", fnty=fnty)
-        r = None
-        for c in range(0, n, 32):
-            p = b.call(fn, [_sel(b, u, c, 32), _sel(b, s, c, 32)])
-            r = p if r is None else b.add(r, p)
-        return r
+        return _avx2_chunks(b, "llvm.x86.avx2.pmadd.ub.sw", _I16, _I8, 32, u, s, n)
     return _pairs(b, b.mul(b.zext(u, _vty(_I16, n)), b.sext(s, _vty(_I16, n))), n)
 
 

@@ -220,16 +220,25 @@ class FileMap:
         self.close()
 
 
-def available_ram() -> int:
-    """Bytes of memory the OS could give a process now, page cache it may reclaim included (Linux
-    MemAvailable); elsewhere half the physical memory; 0 if unknown."""
+def proc_kib_field(path: str, key: str) -> int | None:
+    """Bytes of a `key:  N kB` line of a Linux /proc file (/proc/meminfo, /proc/self/status); None where the
+    file or the line is missing (other systems)."""
     try:
-        with open("/proc/meminfo") as f:
+        with open(path) as f:
             for line in f:
-                if line.startswith("MemAvailable:"):
+                if line.startswith(key + ":"):
                     return int(line.split()[1]) * 1024
     except OSError:
         pass
+    return None
+
+
+def available_ram() -> int:
+    """Bytes of memory the OS could give a process now, page cache it may reclaim included (Linux
+    MemAvailable); elsewhere half the physical memory; 0 if unknown."""
+    avail = proc_kib_field("/proc/meminfo", "MemAvailable")
+    if avail is not None:
+        return avail
     try:
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 2
     except (ValueError, OSError, AttributeError):
